@@ -1,0 +1,37 @@
+# harnessrl developer commands. Everything runs inside .venv, which `make venv` creates.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# torch first, from the exact CPU build this machine keeps on disk; the project then asks
+# for torch>=2.4, which that satisfies, so pip never pulls a multi-GB CUDA build.
+TORCH := torch==2.13.0
+
+.PHONY: venv protos lint test bench-bus clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+protos: venv  ## regenerate libs/harnessrl/v1 from protos/
+	$(BIN)/python protos/generate.py
+
+lint: venv
+	$(BIN)/ruff check libs services bench tests protos
+	$(BIN)/ruff format --check libs services bench tests protos
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest
+
+bench-bus: venv
+	$(BIN)/harnessrl bench bus
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .harnessrl

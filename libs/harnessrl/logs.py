@@ -1,0 +1,134 @@
+"""Structured logging: one line per event, key=value fields, the current trace id included.
+
+    log = get_logger(__name__)
+    log.info("consumer started", topics=["hrl.calls"], group="harnessrl.sample-builder")
+
+writes (format "json")
+
+    {"ts": "...", "level": "info", "service": "sample-builder", "logger": "...",
+     "msg": "consumer started", "topics": ["hrl.calls"], ..., "trace_id": "...", "span_id": "..."}
+
+Fields whose name looks like a secret (password, token, secret, api key, authorization) are
+masked whatever their value, so a careless call cannot leak one.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from datetime import UTC, datetime
+from typing import IO, Any
+
+import orjson
+from opentelemetry import trace
+
+from harnessrl.config import LogSettings
+
+_SECRET_NAME = re.compile(r"password|passwd|secret|token|api_?key|authorization", re.I)
+_MASK = "**********"
+_FIELDS = "hrl_fields"
+
+
+class Log:
+    """A named logger whose methods take the message and key=value fields."""
+
+    __slots__ = ("_logger",)
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+
+    def debug(self, msg: str, **fields: Any) -> None:
+        self._log(logging.DEBUG, msg, fields)
+
+    def info(self, msg: str, **fields: Any) -> None:
+        self._log(logging.INFO, msg, fields)
+
+    def warning(self, msg: str, **fields: Any) -> None:
+        self._log(logging.WARNING, msg, fields)
+
+    def error(self, msg: str, **fields: Any) -> None:
+        self._log(logging.ERROR, msg, fields)
+
+    def exception(self, msg: str, **fields: Any) -> None:
+        """Log at ERROR with the traceback of the exception being handled."""
+        if self._logger.isEnabledFor(logging.ERROR):
+            self._logger.error(msg, exc_info=True, extra={_FIELDS: fields}, stacklevel=2)
+
+    def _log(self, level: int, msg: str, fields: dict[str, Any]) -> None:
+        if self._logger.isEnabledFor(level):
+            self._logger.log(level, msg, extra={_FIELDS: fields}, stacklevel=3)
+
+
+def get_logger(name: str) -> Log:
+    return Log(logging.getLogger(name))
+
+
+def _record_data(record: logging.LogRecord, service: str) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+        "level": record.levelname.lower(),
+        "service": service,
+        "logger": record.name,
+        "msg": record.getMessage(),
+    }
+    for key, value in getattr(record, _FIELDS, {}).items():
+        data[key] = _MASK if _SECRET_NAME.search(key) else value
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        data["trace_id"] = format(ctx.trace_id, "032x")
+        data["span_id"] = format(ctx.span_id, "016x")
+    return data
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self._service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        data = _record_data(record, self._service)
+        if record.exc_info:
+            data["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(data, default=str).decode()
+
+
+class TextFormatter(logging.Formatter):
+    """`time level service message key=value ...` for people reading a terminal."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self._service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        data = _record_data(record, self._service)
+        head = f"{data.pop('ts')[11:23]} {data.pop('level'):<7} {data.pop('service')}"
+        data.pop("logger")
+        msg = data.pop("msg")
+        fields = " ".join(f"{k}={_text(v)}" for k, v in data.items())
+        line = f"{head} {msg}" + (f" {fields}" if fields else "")
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def _text(value: Any) -> str:
+    text = value if isinstance(value, str) else orjson.dumps(value, default=str).decode()
+    return f'"{text}"' if " " in text else text
+
+
+def configure_logging(service: str, settings: LogSettings, stream: IO[str] | None = None) -> None:
+    """Route all logging (ours and libraries') through one handler in the chosen format.
+
+    Called once by a process entry point; replaces handlers installed earlier.
+    """
+    handler = logging.StreamHandler(stream or sys.stderr)
+    formatter = JsonFormatter(service) if settings.format == "json" else TextFormatter(service)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(settings.level)
+    # aiokafka's INFO lines (every join, every fetch reset) drown the service's own.
+    logging.getLogger("aiokafka").setLevel(max(logging.WARNING, root.level))
