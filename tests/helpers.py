@@ -79,3 +79,48 @@ def _fill(message: Message, field: FieldDescriptor, rng: random.Random) -> None:
         getattr(message, name).extend(_scalar(field, rng) for _ in range(5))
     else:
         setattr(message, name, _scalar(field, rng))
+
+
+async def read_topic(bootstrap: str, topic: str, count: int, timeout: float = 30.0) -> list[Any]:
+    """The first `count` records of `topic` (all partitions, from the beginning), raw.
+
+    Fails the test if fewer arrive within `timeout` seconds.
+    """
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=None,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+    )
+    await consumer.start()
+    records: list[Any] = []
+    try:
+        async with asyncio.timeout(timeout):
+            while len(records) < count:
+                batch = await consumer.getmany(timeout_ms=200)
+                for part in batch.values():
+                    records.extend(part)
+    except TimeoutError:
+        pytest.fail(f"{topic}: {len(records)} of {count} records within {timeout}s")
+    finally:
+        await consumer.stop()
+    return records
+
+
+async def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int]:
+    """Committed offset per partition of `topic` for `group` (0 where none)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        await consumer.topics()
+        partitions = sorted(consumer.partitions_for_topic(topic) or ())
+        return {p: (await consumer.committed(TopicPartition(topic, p))) or 0 for p in partitions}
+    finally:
+        await consumer.stop()

@@ -20,8 +20,9 @@ from typing import Protocol
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Info, ProcessCollector
 
+from harnessrl import __version__
 from harnessrl.config import ServiceConfig, ServiceSection
 from harnessrl.health import HealthServer
 from harnessrl.logs import configure_logging, get_logger
@@ -80,7 +81,12 @@ async def _serve(
 ) -> int:
     provider = create_tracer_provider(name, config.instance, config.telemetry)
     trace.set_tracer_provider(provider)  # the process entry point owns the global provider
-    runtime = Runtime(name, config.instance, CollectorRegistry(), provider)
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    Info("harnessrl_service", "The service this process runs.", registry=registry).info(
+        {"service": name, "instance": config.instance, "version": __version__}
+    )
+    runtime = Runtime(name, config.instance, registry, provider)
     service = build(runtime)
     health = HealthServer(section.host, section.port, runtime.registry, service.health)
     if health_endpoint:
