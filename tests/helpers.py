@@ -110,6 +110,20 @@ async def read_topic(bootstrap: str, topic: str, count: int, timeout: float = 30
     return records
 
 
+async def topic_size(bootstrap: str, topic: str) -> int:
+    """Number of records on `topic` (sum of its partitions' end offsets)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None)
+    await consumer.start()
+    try:
+        await consumer.topics()
+        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+        return sum((await consumer.end_offsets(tps)).values())
+    finally:
+        await consumer.stop()
+
+
 async def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int]:
     """Committed offset per partition of `topic` for `group` (0 where none)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition

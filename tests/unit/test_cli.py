@@ -75,3 +75,18 @@ def test_submit_refuses_a_bad_file_before_connecting(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert f"{path}:2: field 'split'" in result.stderr
     assert "nothing was submitted" in result.stderr
+
+
+def test_progress_off_a_terminal_is_a_few_lines_and_a_final_one() -> None:
+    import io
+
+    from harnessrl.cli.common import Progress
+
+    stream = io.StringIO()
+    progress = Progress("submit", 1000, stream)
+    for done in range(1, 1001):
+        progress.update(done)
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1  # everything happened within a second: only the final line
+    assert lines[-1].startswith("submit [##############################] 1000/1000")

@@ -56,7 +56,8 @@ def load(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
 
 
 class Progress:
-    """One progress line on stderr: redrawn in place on a terminal, every 10% otherwise."""
+    """One progress line on stderr: redrawn in place on a terminal; elsewhere (logs, CI) a
+    line at each 10% step, at most one a second, and always a final one."""
 
     def __init__(self, label: str, total: int | None, stream: IO[str] | None = None) -> None:
         self._label = label
@@ -64,34 +65,36 @@ class Progress:
         self._stream = stream or sys.stderr
         self._tty = self._stream.isatty()
         self._started = time.monotonic()
-        self._last_draw = 0.0
-        self._last_decile = -1
+        self._last_draw = self._started
+        self._last_step = 0
+        self._done = 0
 
     def update(self, done: int) -> None:
+        self._done = done
         now = time.monotonic()
         if self._tty:
-            if now - self._last_draw < 0.1 and done != self._total:
-                return
-            self._last_draw = now
-            self._stream.write("\r" + self._line(done, now))
-            self._stream.flush()
+            if now - self._last_draw >= 0.1:
+                self._draw(now, "\r")
             return
-        decile = done * 10 // self._total if self._total else done // 1000
-        if decile != self._last_decile:
-            self._last_decile = decile
-            self._stream.write(self._line(done, now) + "\n")
-            self._stream.flush()
+        step = done * 10 // self._total if self._total else done // 1000
+        if step != self._last_step and now - self._last_draw >= 1.0:
+            self._last_step = step
+            self._draw(now, "", "\n")
 
-    def close(self, done: int) -> None:
-        self.update(done)
-        if self._tty:
-            self._stream.write("\n")
+    def close(self) -> None:
+        """Draw the final state and end the line."""
+        self._draw(time.monotonic(), "\r" if self._tty else "", "\n")
 
-    def _line(self, done: int, now: float) -> str:
-        rate = done / max(now - self._started, 1e-9)
+    def _draw(self, now: float, prefix: str, suffix: str = "") -> None:
+        self._last_draw = now
+        self._stream.write(prefix + self._line(now) + suffix)
+        self._stream.flush()
+
+    def _line(self, now: float) -> str:
+        rate = self._done / max(now - self._started, 1e-9)
         if self._total:
             width = 30
-            filled = width * done // self._total
+            filled = width * self._done // self._total
             bar = "#" * filled + "." * (width - filled)
-            return f"{self._label} [{bar}] {done}/{self._total} ({rate:,.0f}/s)"
-        return f"{self._label} {done} ({rate:,.0f}/s)"
+            return f"{self._label} [{bar}] {self._done}/{self._total} ({rate:,.0f}/s)"
+        return f"{self._label} {self._done} ({rate:,.0f}/s)"

@@ -86,7 +86,7 @@ async def _submit(tasks: list[Any], config: Any, timeout: float) -> int:
                     f"{len(tasks) - acked} of {len(tasks)} tasks not acknowledged within "
                     f"{timeout:g}s (is Kafka at {bootstrap} up?)"
                 ) from None
-            progress.close(acked)
+            progress.close()
         finally:
             await producer.stop(timeout=1.0)
     out = sys.stdout.buffer
