@@ -162,13 +162,15 @@ class Consumer:
             *(self._process_partition(records, done) for records in batch.values())
         )
         for raw, ctx in done:
-            results = await asyncio.gather(*ctx.deliveries, return_exceptions=True)
-            refused = [r for r in results if isinstance(r, BaseException)]
-            if refused:
-                await self._dead_letter(raw, "output", f"output refused: {refused[0]!r}")
-            elif ctx.held:
-                continue
-            self._tracker.finish((raw.topic, raw.partition), raw.offset)
+            if ctx.deliveries:
+                results = await asyncio.gather(*ctx.deliveries, return_exceptions=True)
+                refused = [r for r in results if isinstance(r, BaseException)]
+                if refused:
+                    await self._dead_letter(raw, "output", f"output refused: {refused[0]!r}")
+                    self._tracker.finish((raw.topic, raw.partition), raw.offset)
+                    continue
+            if not ctx.held:
+                self._tracker.finish((raw.topic, raw.partition), raw.offset)
 
     async def _process_partition(self, records: list[Any], done: list[tuple[Any, Context]]) -> None:
         for raw in records:

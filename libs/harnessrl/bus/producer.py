@@ -102,6 +102,7 @@ class Producer:
         self._spill_futures: deque[asyncio.Future[Ack]] = deque()
         self._retry: list[_Pending] = []
         self._retry_at = 0.0
+        self._failures = 0  # consecutive failed acknowledgements: the backoff exponent
         self._in_flight: dict[int, _Pending] = {}
         self._in_flight_bytes = 0
         self._seq = 0
@@ -326,6 +327,7 @@ class Producer:
         err = BaseException("cancelled") if future.cancelled() else future.exception()
         if err is None:
             meta = future.result()
+            self._failures = 0
             self._settle(record)
             if record.delivery is not None and not record.delivery.done():
                 record.delivery.set_result(Ack(record.topic, meta.partition, meta.offset))
@@ -333,7 +335,9 @@ class Producer:
         elif future.cancelled() or is_retryable(err):
             self._metrics.publish_retries(record.topic).inc()
             heapq.heappush(self._retry, record)
-            self._retry_at = time.monotonic() + self._backoff.first_s
+            delay = min(self._backoff.max_s, self._backoff.first_s * 2**self._failures)
+            self._failures = min(self._failures + 1, 16)
+            self._retry_at = max(self._retry_at, time.monotonic() + delay)
             self._wake.set()
         else:
             self._refuse(record, err)
