@@ -162,13 +162,7 @@ def wrap(event: Message, *, producer: str, event_id_: str | None = None) -> Mess
     `event_id_` overrides the derived identity (for events whose identity the caller owns).
     """
     route = _route(event)
-    meta = pb.EventMeta(
-        event_id=event_id_ or route.identity(event),
-        producer=producer,
-        schema_version=SCHEMA_VERSION,
-    )
-    meta.created_at.FromNanoseconds(time.time_ns())
-    envelope = route.envelope(meta=meta)
+    envelope = route.envelope(meta=_meta(route, event, producer, event_id_))
     getattr(envelope, route.field).CopyFrom(event)
     return envelope
 
@@ -183,13 +177,7 @@ def encode(event: Message, *, producer: str, event_id_: str | None = None) -> by
     bytes.
     """
     route = _route(event)
-    meta = pb.EventMeta(
-        event_id=event_id_ or route.identity(event),
-        producer=producer,
-        schema_version=SCHEMA_VERSION,
-    )
-    meta.created_at.FromNanoseconds(time.time_ns())
-    meta_bytes = meta.SerializeToString(deterministic=True)
+    meta_bytes = _meta(route, event, producer, event_id_).SerializeToString(deterministic=True)
     event_bytes = event.SerializeToString(deterministic=True)
     return b"".join(
         (
@@ -237,6 +225,16 @@ def decode(topic: str, value: bytes | None) -> Message:
 def to_dict(message: Message) -> dict[str, Any]:
     """JSON-ready dict of a message (proto field names, enums by name, defaults omitted)."""
     return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+def _meta(route: _Route, event: Message, producer: str, event_id_: str | None) -> pb.EventMeta:
+    meta = pb.EventMeta(
+        event_id=event_id_ or route.identity(event),
+        producer=producer,
+        schema_version=SCHEMA_VERSION,
+    )
+    meta.created_at.FromNanoseconds(time.time_ns())
+    return meta
 
 
 def _route(event: Message) -> _Route:

@@ -251,3 +251,28 @@ async def test_records_left_at_stop_are_sent_by_the_next_run(tmp_path: Path) -> 
         assert ids == list(range(50))
     finally:
         await broker.stop()
+
+
+async def test_a_consumer_waiting_for_an_unreachable_broker_stops_promptly(
+    producer_settings: ProducerSettings, consumer_settings: ConsumerSettings
+) -> None:
+    from harnessrl.broker import free_port
+
+    nowhere = KafkaSettings(bootstrap_servers=f"127.0.0.1:{free_port()}")
+
+    async def handle(record: Record, ctx: Context) -> None:
+        raise AssertionError("no record can arrive")
+
+    async with started(nowhere, producer_settings) as producer:
+        consumer = Consumer(
+            nowhere,
+            consumer_settings,
+            topics=[events.TASKS],
+            group_id="g",
+            handler=handle,
+            producer=producer,
+        )
+        task = asyncio.create_task(consumer.run())
+        await asyncio.sleep(0.5)
+        await consumer.stop()
+        await asyncio.wait_for(task, 5)

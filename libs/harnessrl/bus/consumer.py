@@ -25,7 +25,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from harnessrl import events
-from harnessrl.bus.kafka import client_kwargs
+from harnessrl.bus.kafka import client_kwargs, start_client
 from harnessrl.bus.metrics import BusMetrics
 from harnessrl.bus.offsets import TP, OffsetTracker
 from harnessrl.bus.producer import Ack, Producer
@@ -286,8 +286,7 @@ class Consumer:
             async def on_partitions_assigned(self, assigned: Any) -> None:
                 await consumer._assigned([(tp.topic, tp.partition) for tp in assigned])
 
-        delays = self._backoff.delays()
-        while not self._stopping.is_set():
+        def make() -> Any:
             client = AIOKafkaConsumer(
                 **client_kwargs(self._kafka, f"{self._producer.name}/{self.group_id}"),
                 group_id=self.group_id,
@@ -300,20 +299,20 @@ class Consumer:
                 max_poll_interval_ms=self._settings.max_poll_interval_ms,
             )
             client.subscribe(self.topics, listener=Listener())
-            try:
-                await client.start()
-            except Exception as err:
-                await asyncio.gather(client.stop(), return_exceptions=True)
-                if not is_retryable(err):
-                    raise
-                log.warning(
-                    "broker unreachable; consumer waiting", group=self.group_id, error=repr(err)
-                )
-                await asyncio.sleep(next(delays))
-                continue
-            log.info("consumer started", group=self.group_id, topics=self.topics)
             return client
-        return None
+
+        starting = asyncio.ensure_future(
+            start_client(make, self._backoff, who=self.group_id, waiting="consumer waiting")
+        )
+        stopped = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not starting.done():  # stop() while the broker was unreachable
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            return None
+        log.info("consumer started", group=self.group_id, topics=self.topics)
+        return starting.result()
 
     async def _commit(self, tps: Iterable[TP] | None = None) -> None:
         if self._client is None:

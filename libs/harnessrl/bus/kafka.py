@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from harnessrl import events
 from harnessrl.config import KafkaSettings
 from harnessrl.logs import get_logger
-from harnessrl.retry import Backoff, retry
+from harnessrl.retry import Backoff, is_retryable, retry
 
 log = get_logger(__name__)
 
@@ -45,6 +46,27 @@ def client_kwargs(settings: KafkaSettings, client_id: str) -> dict[str, Any]:
         password = settings.sasl_password
         kwargs["sasl_plain_password"] = password.get_secret_value() if password else ""
     return kwargs
+
+
+async def start_client(make: Callable[[], Any], backoff: Backoff, *, who: str, waiting: str) -> Any:
+    """Start a client built by `make()`, waiting out an unreachable broker with `backoff`.
+
+    Each attempt uses a fresh client (a failed aiokafka client cannot be restarted). Raises
+    the first non-retryable error; cancelled with the caller.
+    """
+    delays = backoff.delays()
+    while True:
+        client = make()
+        try:
+            await client.start()
+        except Exception as err:
+            await asyncio.gather(client.stop(), return_exceptions=True)
+            if not is_retryable(err):
+                raise
+            log.warning(f"broker unreachable; {waiting}", client=who, error=repr(err))
+            await asyncio.sleep(next(delays))
+            continue
+        return client
 
 
 async def ensure_topics(

@@ -30,7 +30,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from harnessrl import events
-from harnessrl.bus.kafka import client_kwargs
+from harnessrl.bus.kafka import client_kwargs, start_client
 from harnessrl.bus.metrics import BusMetrics
 from harnessrl.bus.spill import Headers, Position, SpilledRecord, SpillLog
 from harnessrl.config import KafkaSettings, ProducerSettings
@@ -286,30 +286,20 @@ class Producer:
     async def _connect(self) -> None:
         from aiokafka import AIOKafkaProducer
 
-        delays = self._backoff.delays()
-        while True:
-            client = AIOKafkaProducer(
+        self._client = await start_client(
+            lambda: AIOKafkaProducer(
                 **client_kwargs(self._kafka, self.name),
                 acks="all",
                 enable_idempotence=False,  # Tansu has no idempotent producers; ids dedupe
                 linger_ms=self._kafka.linger_ms,
                 max_batch_size=self._kafka.max_batch_bytes,
                 max_request_size=self._kafka.max_request_bytes,
-            )
-            try:
-                await client.start()
-            except Exception as err:
-                await asyncio.gather(client.stop(), return_exceptions=True)
-                if not is_retryable(err):
-                    raise
-                log.warning("broker unreachable; buffering", producer=self.name, error=repr(err))
-                await asyncio.sleep(next(delays))
-                continue
-            self._client = client
-            log.info(
-                "producer connected", producer=self.name, bootstrap=self._kafka.bootstrap_servers
-            )
-            return
+            ),
+            self._backoff,
+            who=self.name,
+            waiting="buffering",
+        )
+        log.info("producer connected", producer=self.name, bootstrap=self._kafka.bootstrap_servers)
 
     async def _reserve(self, size: int) -> None:
         while self._in_flight and self._in_flight_bytes + size > self._settings.in_flight_max_bytes:
