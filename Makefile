@@ -23,8 +23,8 @@ protos: venv  ## regenerate libs/harnessrl/v1 from protos/
 	$(BIN)/python protos/generate.py
 
 lint: venv
-	$(BIN)/ruff check libs services bench tests protos
-	$(BIN)/ruff format --check libs services bench tests protos
+	$(BIN)/ruff check libs services bench tests protos examples
+	$(BIN)/ruff format --check libs services bench tests protos examples
 	$(BIN)/mypy
 
 test: lint

@@ -1,0 +1,350 @@
+"""Continuous batching on a transformers causal LM.
+
+One asyncio task drives the loop; the model runs in a worker thread one step at a time, so
+the event loop keeps serving HTTP. Each step: drop finished rows, prefill the requests that
+arrived since the last step and merge them into the running batch, then decode one token
+for every row. A request that arrives while a batch decodes therefore joins at the next step.
+
+Weights are swapped only between steps and only once no request is running: `swap()` stops
+admission, lets in-flight requests finish, loads the new state dict, then admits again. So no
+request ever sees a half-updated model, and each request is served by exactly one policy
+version, the one it reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from harnessrl.logs import get_logger
+from harnessrl.services.inference.kv import RunningBatch, cache_argument, positions_from_mask
+from harnessrl.services.inference.sampling import SamplingParams, generator_for, sample
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One sampled token, as streamed to the API layer."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-prob) of the most likely tokens
+    finish_reason: str | None  # set on the request's last token: "stop" | "length"
+
+
+@dataclass(eq=False)
+class Request:
+    """A request inside the engine. `tokens` receives each Token, then None at the end."""
+
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    top_logprobs: int = 0
+    version: int = -1  # policy version that serves it, set at admission
+    admitted: asyncio.Event = field(default_factory=asyncio.Event)
+    tokens: asyncio.Queue[Token | None] = field(default_factory=asyncio.Queue)
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    aborted: bool = False
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.generator = generator_for(self.params.seed)
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "harnessrl_engine_requests", "Requests admitted.", registry=registry
+        )
+        self.tokens = Counter(
+            "harnessrl_engine_generated_tokens", "Tokens generated.", registry=registry
+        )
+        self.prompt_tokens = Counter(
+            "harnessrl_engine_prompt_tokens", "Prompt tokens prefilled.", registry=registry
+        )
+        self.batch = Histogram(
+            "harnessrl_engine_batch_size",
+            "Rows per decode step.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=registry,
+        )
+        self.step = Histogram(
+            "harnessrl_engine_step_seconds", "Time of one engine step.", registry=registry
+        )
+        self.waiting = Gauge(
+            "harnessrl_engine_waiting", "Requests waiting for admission.", registry=registry
+        )
+        self.running = Gauge("harnessrl_engine_running", "Requests decoding.", registry=registry)
+        self.version = Gauge(
+            "harnessrl_engine_policy_version", "Policy version being served.", registry=registry
+        )
+
+
+class Engine:
+    """Serves generation requests from one model; see the module docstring."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        eos_ids: frozenset[int],
+        pad_id: int,
+        max_model_len: int,
+        max_batch: int,
+        version: int,
+        registry: CollectorRegistry,
+        decode: Callable[[list[int]], str],
+    ) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.eos_ids = eos_ids
+        self.pad_id = pad_id
+        self.max_model_len = max_model_len
+        self.max_batch = max_batch
+        self.version = version
+        self._decode = decode
+        self._metrics = EngineMetrics(registry)
+        self._metrics.version.set(version)
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._batch = RunningBatch()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._swapping = 0
+        self._busy = False  # a step is running in the worker thread
+        self._cache_arg = cache_argument(model)
+        self._ids = itertools.count()
+        self._stopped = False
+        self.last_step_at = time.monotonic()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, *, top_logprobs: int = 0
+    ) -> Request:
+        """Queue a request; read its tokens from `request.tokens` until None.
+
+        The caller has checked that prompt + max_tokens fits max_model_len.
+        """
+        request = Request(f"req-{next(self._ids)}", list(prompt_ids), params, top_logprobs)
+        self._waiting.append(request)
+        self._metrics.waiting.set(len(self._waiting))
+        self._wake.set()
+        return request
+
+    def abort(self, request: Request) -> None:
+        """Stop generating for a request whose client went away (idempotent)."""
+        if request.aborted or request.finish_reason is not None:
+            return
+        request.aborted = True
+        if request in self._waiting:
+            self._waiting.remove(request)
+        request.tokens.put_nowait(None)
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(waiting, running) request counts."""
+        return len(self._waiting), len(self._running)
+
+    # -- weights -----------------------------------------------------------------------------
+
+    async def swap(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+        """Serve `state_dict` as `version` from the next admitted request on.
+
+        Waits for running requests to finish (new ones wait meanwhile). Raises whatever
+        load_state_dict raises (missing or mis-shaped tensors); the old weights then stay.
+        """
+        self._swapping += 1
+        try:
+            while self._running or self._busy:
+                self._idle.clear()
+                self._wake.set()
+                await self._idle.wait()
+            await asyncio.to_thread(self._load, state_dict)
+            self.version = version
+            self._metrics.version.set(version)
+        finally:
+            self._swapping -= 1
+            self._wake.set()
+
+    def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            current = self.model.state_dict()
+            unknown = sorted(set(state_dict) - set(current))
+            missing = sorted(set(current) - set(state_dict) - _tied(self.model))
+            if unknown or missing:
+                raise ValueError(
+                    f"state dict does not fit the model: unknown {unknown[:5]}, "
+                    f"missing {missing[:5]}"
+                )
+            for name, tensor in state_dict.items():
+                if tuple(tensor.shape) != tuple(current[name].shape):
+                    raise ValueError(
+                        f"{name}: shape {tuple(tensor.shape)} does not match the "
+                        f"model's {tuple(current[name].shape)}"
+                    )
+            for name, tensor in state_dict.items():
+                current[name].copy_(tensor)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve until stop(); cancelled with the service."""
+        while not self._stopped:
+            admitted = self._admit()
+            if not self._running and not admitted:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            started = time.perf_counter()
+            self._busy = True
+            try:
+                outputs = await asyncio.to_thread(self._step, admitted)
+            finally:
+                self._busy = False
+            self._metrics.step.observe(time.perf_counter() - started)
+            self.last_step_at = time.monotonic()
+            self._dispatch(outputs)
+
+    async def stop(self) -> None:
+        """End the loop; requests still waiting or running end without a finish reason."""
+        self._stopped = True
+        self._wake.set()
+        for request in [*self._waiting, *self._running]:
+            self.abort(request)
+
+    def _admit(self) -> list[Request]:
+        if self._swapping:
+            return []
+        room = self.max_batch - len(self._running)
+        admitted = []
+        while self._waiting and room > 0:
+            request = self._waiting.popleft()
+            request.version = self.version
+            request.admitted.set()
+            admitted.append(request)
+            room -= 1
+        self._metrics.waiting.set(len(self._waiting))
+        self._metrics.requests.inc(len(admitted))
+        return admitted
+
+    def _dispatch(self, outputs: list[tuple[Request, Token]]) -> None:
+        for request, token in outputs:
+            request.tokens.put_nowait(token)
+            if token.finish_reason is not None:
+                request.tokens.put_nowait(None)
+        self._metrics.tokens.inc(len(outputs))
+        self._metrics.running.set(len(self._running))
+
+    # -- one step (worker thread) ------------------------------------------------------------
+
+    def _step(self, admitted: list[Request]) -> list[tuple[Request, Token]]:
+        outputs: list[tuple[Request, Token]] = []
+        with torch.inference_mode():
+            self._drop_finished()
+            if admitted:
+                outputs += self._prefill(admitted)
+                self._drop_finished()
+            if self._running:
+                outputs += self._decode_step()
+        self._metrics.batch.observe(len(self._running))
+        return outputs
+
+    def _drop_finished(self) -> None:
+        # Worker thread: touches only the batch, never the requests' asyncio queues.
+        live = [i for i, r in enumerate(self._running) if r.finish_reason is None and not r.aborted]
+        if len(live) != len(self._running):
+            self._running = [self._running[i] for i in live]
+            self._batch.keep(live)
+
+    def _prefill(self, requests: list[Request]) -> list[tuple[Request, Token]]:
+        from transformers import DynamicCache
+
+        width = max(len(r.prompt_ids) for r in requests)
+        ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for row, r in enumerate(requests):
+            ids[row, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[row, width - len(r.prompt_ids) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions_from_mask(mask),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_arg: DynamicCache(config=self.model.config)},
+        )
+        self._metrics.prompt_tokens.inc(int(mask.sum()))
+        self._batch.merge(out[self._cache_arg], mask)
+        self._running.extend(requests)
+        return self._sample(requests, out.logits[:, -1, :])
+
+    def _decode_step(self) -> list[tuple[Request, Token]]:
+        last = torch.tensor([[r.generated[-1]] for r in self._running], device=self.device)
+        positions = self._batch.next_positions()
+        mask = self._batch.extend_mask()
+        out = self.model(
+            input_ids=last,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self._cache_arg: self._batch.cache},
+        )
+        self._batch.cache = out[self._cache_arg]
+        return self._sample(self._running, out.logits[:, -1, :])
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[Request, Token]]:
+        top_k = max(r.top_logprobs for r in requests)
+        tokens, logprobs, tops = sample(
+            logits.cpu(), [r.params for r in requests], [r.generator for r in requests], top_k
+        )
+        outputs = []
+        for request, token_id, logprob, top in zip(requests, tokens, logprobs, tops, strict=True):
+            request.generated.append(token_id)
+            request.finish_reason = self._finish_reason(request, token_id)
+            outputs.append(
+                (
+                    request,
+                    Token(token_id, logprob, top[: request.top_logprobs], request.finish_reason),
+                )
+            )
+        return outputs
+
+    def _finish_reason(self, request: Request, token_id: int) -> str | None:
+        if token_id in self.eos_ids:
+            return "stop"
+        if request.params.stop and _ends_with_stop(
+            self._decode(request.generated), request.params.stop
+        ):
+            return "stop"
+        generated = len(request.generated)
+        if generated >= request.params.max_tokens:
+            return "length"
+        if len(request.prompt_ids) + generated >= self.max_model_len:
+            return "length"
+        return None
+
+
+def _ends_with_stop(text: str, stops: tuple[str, ...]) -> bool:
+    # Checked after every token, so the first occurrence of any stop string ends generation.
+    return any(stop in text for stop in stops)
+
+
+def _tied(model: Any) -> set[str]:
+    """Parameter names the model ties to others (they need not be in a state dict)."""
+    keys = getattr(model, "_tied_weights_keys", None) or ()
+    if isinstance(keys, dict):
+        return set(keys)
+    return set(keys)

@@ -1,0 +1,167 @@
+"""`harnessrl inference`: the engine, its HTTP API, and (optionally) the policy follower."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from contextlib import AsyncExitStack
+from typing import Any
+
+from harnessrl.logs import get_logger
+from harnessrl.runtime import Runtime
+from harnessrl.services.inference.api import create_app
+from harnessrl.services.inference.codec import TextCodec
+from harnessrl.services.inference.config import InferenceConfig, InferenceSection
+from harnessrl.services.inference.engine import Engine
+
+log = get_logger(__name__)
+
+
+def load_model(section: InferenceSection) -> tuple[Any, Any]:
+    """(model, tokenizer) from the model directory, on the configured device and dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = section.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = section.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    tokenizer = AutoTokenizer.from_pretrained(section.model)
+    model: Any = AutoModelForCausalLM.from_pretrained(section.model, dtype=getattr(torch, dtype))
+    return model.to(device).eval(), tokenizer
+
+
+def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """Every id that ends a turn: the generation config's EOS ids and the tokenizer's."""
+    ids: set[int] = set()
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (configured, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return frozenset(ids)
+
+
+def context_length(model: Any, tokenizer: Any, section: InferenceSection) -> int:
+    if section.max_model_len is not None:
+        return section.max_model_len
+    limits = [
+        getattr(model.config, "max_position_embeddings", None),
+        getattr(tokenizer, "model_max_length", None),
+    ]
+    return min(int(x) for x in limits if isinstance(x, int) and 0 < x < 10**7)
+
+
+class _Server:
+    """uvicorn without its own signal handlers: the service runtime owns the signals."""
+
+    def __init__(self, app: Any, host: str, port: int) -> None:
+        import uvicorn
+
+        class Quiet(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
+
+        self.server = Quiet(
+            uvicorn.Config(
+                app,
+                host=host,
+                port=port,
+                log_config=None,
+                access_log=False,
+                lifespan="off",
+                timeout_graceful_shutdown=10,
+            )
+        )
+
+    @property
+    def port(self) -> int:
+        servers = getattr(self.server, "servers", None) or []
+        for server in servers:
+            for sock in server.sockets:
+                port: int = sock.getsockname()[1]
+                return port
+        return 0
+
+    async def wait_started(self) -> None:
+        while not self.server.started:  # noqa: ASYNC110 - uvicorn exposes only a flag
+            await asyncio.sleep(0.01)
+
+
+class InferenceService:
+    """The engine behind an OpenAI-compatible API; see services/inference/api.py."""
+
+    def __init__(self, config: InferenceConfig, runtime: Runtime) -> None:
+        self._config = config
+        self._runtime = runtime
+        self._stopping = asyncio.Event()
+        self._engine_task: asyncio.Task[None] | None = None
+        self._server: _Server | None = None
+        self.engine: Engine | None = None
+        self.ready = asyncio.Event()
+
+    @property
+    def port(self) -> int:
+        return self._server.port if self._server is not None else 0
+
+    async def run(self) -> None:
+        section = self._config.inference
+        model, tokenizer = await asyncio.to_thread(load_model, section)
+        codec = TextCodec(tokenizer)
+        engine = Engine(
+            model,
+            eos_ids=eos_ids(model, tokenizer),
+            pad_id=tokenizer.pad_token_id or 0,
+            max_model_len=context_length(model, tokenizer, section),
+            max_batch=section.max_batch,
+            version=section.initial_version,
+            registry=self._runtime.registry,
+            decode=codec.decode,
+        )
+        self.engine = engine
+        names = [section.served_model_name or section.model.resolve().name, str(section.model)]
+        app = create_app(
+            engine,
+            codec,
+            served_names=names,
+            default_max_tokens=section.default_max_tokens,
+            registry=self._runtime.registry,
+            health=self.health,
+        )
+        self._server = _Server(app, section.host, section.port)
+        async with AsyncExitStack() as stack:
+            self._engine_task = asyncio.create_task(engine.run(), name="engine")
+            stack.push_async_callback(self._stop_engine, engine)
+            serving = asyncio.create_task(self._server.server.serve(), name="http")
+            await self._server.wait_started()
+            log.info(
+                "inference engine serving",
+                model=names[0],
+                port=self.port,
+                device=str(engine.device),
+                max_model_len=engine.max_model_len,
+                version=engine.version,
+            )
+            self.ready.set()
+            stopped = asyncio.ensure_future(self._stopping.wait())
+            await asyncio.wait([serving, stopped], return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            self._server.server.should_exit = True  # finish open requests, then close
+            await serving
+
+    async def _stop_engine(self, engine: Engine) -> None:
+        await engine.stop()
+        if self._engine_task is not None:
+            await asyncio.gather(self._engine_task, return_exceptions=True)
+
+    async def stop(self) -> None:
+        self._stopping.set()
+
+    def health(self) -> dict[str, bool]:
+        engine_alive = self._engine_task is not None and not self._engine_task.done()
+        return {"model_loaded": self.engine is not None, "engine_loop": engine_alive}
