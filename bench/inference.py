@@ -37,8 +37,9 @@ async def _wait_healthy(client: Any, base: str, process: subprocess.Popen[bytes]
     raise RuntimeError("engine did not become healthy within 120 s")
 
 
-async def _load(client: Any, base: str, model: str, concurrency: int, seconds: float,
-                max_tokens: int) -> dict[str, float]:
+async def _load(
+    client: Any, base: str, model: str, concurrency: int, seconds: float, max_tokens: int
+) -> dict[str, float]:
     tokens = 0
     latencies: list[float] = []
     deadline = time.monotonic() + seconds
@@ -47,8 +48,15 @@ async def _load(client: Any, base: str, model: str, concurrency: int, seconds: f
         nonlocal tokens
         while time.monotonic() < deadline:
             started = time.perf_counter()
-            response = await client.post(f"{base}/v1/completions", json={
-                "model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 1.0})
+            response = await client.post(
+                f"{base}/v1/completions",
+                json={
+                    "model": model,
+                    "prompt": PROMPT,
+                    "max_tokens": max_tokens,
+                    "temperature": 1.0,
+                },
+            )
             response.raise_for_status()
             latencies.append(time.perf_counter() - started)
             tokens += response.json()["usage"]["completion_tokens"]
@@ -56,8 +64,11 @@ async def _load(client: Any, base: str, model: str, concurrency: int, seconds: f
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     elapsed = time.perf_counter() - started
-    return {"tok_s": tokens / elapsed, "requests": len(latencies),
-            "p50_ms": statistics.median(latencies) * 1000}
+    return {
+        "tok_s": tokens / elapsed,
+        "requests": len(latencies),
+        "p50_ms": statistics.median(latencies) * 1000,
+    }
 
 
 async def _main(args: argparse.Namespace, log: Any) -> dict[str, Any]:
@@ -68,22 +79,36 @@ async def _main(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     port = free_port()
     env = {**os.environ, "HARNESSRL_LOG__LEVEL": "WARNING"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "harnessrl", "inference", "--model", str(args.model), "--port",
-         str(port), "--no-follow-policy", "--max-batch", "32"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "harnessrl",
+            "inference",
+            "--model",
+            str(args.model),
+            "--port",
+            str(port),
+            "--no-follow-policy",
+            "--max-batch",
+            "32",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
     name = Path(args.model).resolve().name
-    result: dict[str, Any] = {"model": name, "max_tokens": args.max_tokens,
-                              "seconds": args.seconds}
+    result: dict[str, Any] = {"model": name, "max_tokens": args.max_tokens, "seconds": args.seconds}
     try:
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as c:
             await _wait_healthy(c, base, process)
             await _load(c, base, name, 2, 2.0, args.max_tokens)  # warm-up
             for concurrency in (1, 16):
                 figures = await _load(c, base, name, concurrency, args.seconds, args.max_tokens)
-                log(f"concurrency {concurrency}: {figures['tok_s']:,.0f} tokens/s, "
-                    f"{figures['requests']:.0f} requests, p50 {figures['p50_ms']:,.0f} ms")
+                log(
+                    f"concurrency {concurrency}: {figures['tok_s']:,.0f} tokens/s, "
+                    f"{figures['requests']:.0f} requests, p50 {figures['p50_ms']:,.0f} ms"
+                )
                 result[f"tok_s_c{concurrency}"] = round(figures["tok_s"], 1)
                 result[f"requests_c{concurrency}"] = figures["requests"]
                 result[f"p50_ms_c{concurrency}"] = round(figures["p50_ms"], 1)
