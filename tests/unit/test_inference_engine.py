@@ -222,3 +222,11 @@ def test_processed_logprobs_are_of_the_distribution_sampled_from() -> None:
     assert token == [0]
     assert lp[0] == pytest.approx(float(torch.log_softmax(logits, -1)[0, 0]), abs=1e-6)
     assert [t for t, _ in top[0]] == [0, 1]
+
+
+def test_sampling_follows_the_distribution() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    params = [SamplingParams(temperature=1.0)] * 4000
+    tokens, _, _ = sample(logits.expand(4000, -1), params, [generator_for(None)] * 4000)
+    counts = torch.bincount(torch.tensor(tokens), minlength=4).float() / 4000
+    assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
