@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from harnessrl.cli.common import add_kafka_options
@@ -31,6 +32,31 @@ def register(commands: Any) -> None:
     )
     add_kafka_options(bus)
     bus.set_defaults(run=_run_bus)
+    inference = sub.add_parser(
+        "inference",
+        help="engine tokens/s at concurrency 1 and 16",
+        description="Start `harnessrl inference` on --model in its own process and, through "
+        "its HTTP API, keep 1 and then 16 completion requests in flight for --seconds each; "
+        "print generated tokens/s for both and the speed-up batching gives. The last line "
+        "is one JSON object.",
+    )
+    inference.add_argument("--json", action="store_true", help="print only the JSON line")
+    inference.add_argument(
+        "--model",
+        type=Path,
+        default=Path("examples/tiny-model"),
+        help="model directory (default examples/tiny-model)",
+    )
+    inference.add_argument(
+        "--seconds",
+        type=float,
+        default=10.0,
+        help="seconds of load per concurrency level (default 10)",
+    )
+    inference.add_argument(
+        "--max-tokens", type=int, default=64, help="completion tokens per request (default 64)"
+    )
+    inference.set_defaults(run=_run_inference)
     parser.set_defaults(run=lambda _: parser.print_help() or 2)
 
 
@@ -38,3 +64,9 @@ def _run_bus(args: argparse.Namespace) -> int:
     from harnessrl.bench import bus
 
     return bus.main(args)
+
+
+def _run_inference(args: argparse.Namespace) -> int:
+    from harnessrl.bench import inference
+
+    return inference.main(args)
