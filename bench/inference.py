@@ -38,7 +38,7 @@ async def _wait_healthy(client: Any, base: str, process: subprocess.Popen[bytes]
 
 
 async def _load(
-    client: Any, base: str, model: str, concurrency: int, seconds: float, max_tokens: int
+    client: Any, base: str, model: str, *, concurrency: int, seconds: float, max_tokens: int
 ) -> dict[str, float]:
     tokens = 0
     latencies: list[float] = []
@@ -71,50 +71,51 @@ async def _load(
     }
 
 
-async def _main(args: argparse.Namespace, log: Any) -> dict[str, Any]:
+def _start_engine(model: Path, port: int) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable,
+        "-m",
+        "harnessrl",
+        "inference",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--no-follow-policy",
+        "--max-batch",
+        "32",
+    ]
+    env = {**os.environ, "HARNESSRL_LOG__LEVEL": "WARNING"}
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+async def _measure(
+    args: argparse.Namespace, port: int, process: subprocess.Popen[bytes], log: Any
+) -> dict[str, Any]:
     import httpx
 
-    from harnessrl.broker import free_port
-
-    port = free_port()
-    env = {**os.environ, "HARNESSRL_LOG__LEVEL": "WARNING"}
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "harnessrl",
-            "inference",
-            "--model",
-            str(args.model),
-            "--port",
-            str(port),
-            "--no-follow-policy",
-            "--max-batch",
-            "32",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
     base = f"http://127.0.0.1:{port}"
-    name = Path(args.model).resolve().name
+    name = args.model.resolve().name
     result: dict[str, Any] = {"model": name, "max_tokens": args.max_tokens, "seconds": args.seconds}
-    try:
-        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as c:
-            await _wait_healthy(c, base, process)
-            await _load(c, base, name, 2, 2.0, args.max_tokens)  # warm-up
-            for concurrency in (1, 16):
-                figures = await _load(c, base, name, concurrency, args.seconds, args.max_tokens)
-                log(
-                    f"concurrency {concurrency}: {figures['tok_s']:,.0f} tokens/s, "
-                    f"{figures['requests']:.0f} requests, p50 {figures['p50_ms']:,.0f} ms"
-                )
-                result[f"tok_s_c{concurrency}"] = round(figures["tok_s"], 1)
-                result[f"requests_c{concurrency}"] = figures["requests"]
-                result[f"p50_ms_c{concurrency}"] = round(figures["p50_ms"], 1)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as c:
+        await _wait_healthy(c, base, process)
+        await _load(c, base, name, concurrency=2, seconds=2.0, max_tokens=args.max_tokens)
+        for concurrency in (1, 16):
+            figures = await _load(
+                c,
+                base,
+                name,
+                concurrency=concurrency,
+                seconds=args.seconds,
+                max_tokens=args.max_tokens,
+            )
+            log(
+                f"concurrency {concurrency}: {figures['tok_s']:,.0f} tokens/s, "
+                f"{figures['requests']:.0f} requests, p50 {figures['p50_ms']:,.0f} ms"
+            )
+            result[f"tok_s_c{concurrency}"] = round(figures["tok_s"], 1)
+            result[f"requests_c{concurrency}"] = figures["requests"]
+            result[f"p50_ms_c{concurrency}"] = round(figures["p50_ms"], 1)
     result["speedup"] = round(result["tok_s_c16"] / result["tok_s_c1"], 2)
     return result
 
@@ -123,7 +124,15 @@ def main(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(f"bench inference: {line}", file=sys.stderr, flush=True)
 
-    result = asyncio.run(_main(args, log))
+    from harnessrl.broker import free_port
+
+    port = free_port()
+    process = _start_engine(Path(args.model), port)
+    try:
+        result = asyncio.run(_measure(args, port, process, log))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
     if not args.json:
         for key, value in result.items():
             print(f"{key:>16}: {value}")
