@@ -8,12 +8,15 @@ from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from typing import Any
 
+from harnessrl import events
+from harnessrl.bus import BusMetrics, Consumer, Producer, ensure_topics
 from harnessrl.logs import get_logger
 from harnessrl.runtime import Runtime
 from harnessrl.services.inference.api import create_app
 from harnessrl.services.inference.codec import TextCodec
 from harnessrl.services.inference.config import InferenceConfig, InferenceSection
 from harnessrl.services.inference.engine import Engine
+from harnessrl.services.inference.follower import PolicyFollower, VersionGone
 
 log = get_logger(__name__)
 
@@ -44,6 +47,26 @@ def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
         elif value:
             ids.update(value)
     return frozenset(ids)
+
+
+def weightsync_puller(use_shm: bool) -> Any:
+    """The follower's pull function: WeightSync client per call, NOT_FOUND as VersionGone."""
+
+    async def pull(address: str, version: int) -> Any:
+        import grpc
+
+        from harnessrl.weights import WeightSyncClient
+
+        async with WeightSyncClient(address) as client:
+            try:
+                result = await client.fetch(version, use_shm=use_shm)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    raise VersionGone(err.details() or "not found") from err
+                raise
+        return result.state_dict
+
+    return pull
 
 
 def context_length(model: Any, tokenizer: Any, section: InferenceSection) -> int:
@@ -104,6 +127,8 @@ class InferenceService:
         self._server: _Server | None = None
         self.engine: Engine | None = None
         self.ready = asyncio.Event()
+        self._follow_task: asyncio.Task[None] | None = None
+        self._producer: Producer | None = None
 
     @property
     def port(self) -> int:
@@ -147,12 +172,64 @@ class InferenceService:
                 max_model_len=engine.max_model_len,
                 version=engine.version,
             )
+            if section.follow_policy:
+                await self._follow(engine, stack)
             self.ready.set()
             stopped = asyncio.ensure_future(self._stopping.wait())
             await asyncio.wait([serving, stopped], return_when=asyncio.FIRST_COMPLETED)
             stopped.cancel()
             self._server.server.should_exit = True  # finish open requests, then close
             await serving
+
+    async def _follow(self, engine: Engine, stack: AsyncExitStack) -> None:
+        """Start following hrl.policy in the background (the engine serves without Kafka)."""
+        section = self._config.inference
+        metrics = BusMetrics(self._runtime.registry)
+        producer = Producer(
+            self._config.kafka,
+            self._config.producer,
+            name=self._runtime.producer_name,
+            metrics=metrics,
+        )
+        await producer.start()
+        stack.push_async_callback(producer.stop)
+        self._producer = producer
+        name = section.advertise_url or f"http://{section.host}:{self.port}"
+        follower = PolicyFollower(
+            engine,
+            weightsync_puller(section.use_shared_memory),
+            engine_name=name,
+            registry=self._runtime.registry,
+        )
+        # Every replica must see every version: a consumer group of its own.
+        consumer = Consumer(
+            self._config.kafka,
+            self._config.consumer,
+            topics=[events.POLICY],
+            group_id=f"harnessrl.inference.{self._config.instance}",
+            handler=follower.handle,
+            producer=producer,
+            metrics=metrics,
+            tracer=self._runtime.tracer_provider.get_tracer("harnessrl.inference"),
+        )
+
+        ready = asyncio.Event()  # topics exist: from here on, stop the consumer gracefully
+
+        async def follow() -> None:
+            if self._config.kafka.create_topics:
+                await ensure_topics(self._config.kafka, [events.POLICY], max_attempts=10**6)
+            ready.set()
+            await consumer.run()
+
+        self._follow_task = task = asyncio.create_task(follow(), name="policy-follower")
+
+        async def stop_following() -> None:
+            await consumer.stop()
+            if not ready.is_set():
+                task.cancel()  # still waiting for the broker: nothing in flight
+            await asyncio.gather(task, return_exceptions=True)
+
+        stack.push_async_callback(stop_following)
 
     async def _stop_engine(self, engine: Engine) -> None:
         await engine.stop()
@@ -164,4 +241,10 @@ class InferenceService:
 
     def health(self) -> dict[str, bool]:
         engine_alive = self._engine_task is not None and not self._engine_task.done()
-        return {"model_loaded": self.engine is not None, "engine_loop": engine_alive}
+        checks = {"model_loaded": self.engine is not None, "engine_loop": engine_alive}
+        if self._config.inference.follow_policy:
+            checks["policy_follower"] = (
+                self._follow_task is not None and not self._follow_task.done()
+            )
+            checks["producer"] = self._producer is not None and self._producer.healthy
+        return checks

@@ -57,6 +57,37 @@ def register(commands: Any) -> None:
         "--max-tokens", type=int, default=64, help="completion tokens per request (default 64)"
     )
     inference.set_defaults(run=_run_inference)
+    weights = sub.add_parser(
+        "weights",
+        help="trainer->engine weight transfer: gRPC WeightSync and shared memory vs raw "
+        "socket and memcpy",
+        description="Move a synthetic bf16 state dict from this process (the trainer) to a "
+        "separate engine process over gRPC WeightSync, over the shared-memory path (both "
+        "with checksums verified), over a raw loopback TCP socket, and by memcpy, in the "
+        "same run. Prints GB/s and ratios; the last line is one JSON object.",
+    )
+    weights.add_argument("--json", action="store_true", help="print only the JSON result line")
+    weights.add_argument(
+        "--size-mb", type=float, default=1024, help="state dict size in MiB (default 1024)"
+    )
+    weights.add_argument(
+        "--chunk-mb",
+        type=float,
+        default=None,
+        help="gRPC chunk size the engine asks for, in MiB (default: the client's, 1)",
+    )
+    weights.add_argument(
+        "--repetitions",
+        type=int,
+        default=7,
+        help="rounds over all four paths; medians are reported (default 7)",
+    )
+    weights.add_argument(
+        "--no-tune-malloc",
+        action="store_true",
+        help="leave glibc malloc at its defaults in the engine process",
+    )
+    weights.set_defaults(run=_run_weights)
     parser.set_defaults(run=lambda _: parser.print_help() or 2)
 
 
@@ -64,6 +95,12 @@ def _run_bus(args: argparse.Namespace) -> int:
     from harnessrl.bench import bus
 
     return bus.main(args)
+
+
+def _run_weights(args: argparse.Namespace) -> int:
+    from harnessrl.bench import weights
+
+    return weights.main(args)
 
 
 def _run_inference(args: argparse.Namespace) -> int:
