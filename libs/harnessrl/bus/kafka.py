@@ -59,6 +59,9 @@ async def start_client(make: Callable[[], Any], backoff: Backoff, *, who: str, w
         client = make()
         try:
             await client.start()
+        except asyncio.CancelledError:
+            await asyncio.shield(asyncio.gather(client.stop(), return_exceptions=True))
+            raise
         except Exception as err:
             await asyncio.gather(client.stop(), return_exceptions=True)
             if not is_retryable(err):

@@ -11,6 +11,7 @@ from harnessrl.cli.common import add_config_option, load
 
 SERVICES = {
     "broker": "harnessrl.broker:BrokerConfig",
+    "gateway": "harnessrl.services.gateway.config:GatewayConfig",
     "inference": "harnessrl.services.inference.config:InferenceConfig",
 }
 """Service name -> "module:ConfigClass" (imported only when shown)."""

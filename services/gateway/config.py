@@ -1,0 +1,71 @@
+"""Settings of `harnessrl gateway` (section `gateway`)."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr, field_validator
+
+from harnessrl.config import MiB, Section, ServiceConfig, ServiceSection
+
+
+class SamplingOverrides(Section):
+    """Sampling settings forced on calls of one mode (None: keep the harness's own)."""
+
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    """Temperature the engine samples with."""
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Nucleus top_p the engine samples with."""
+
+
+class GatewaySection(ServiceSection):
+    """The gateway: where harness calls come in and which engines answer them."""
+
+    port: int = Field(default=8000, ge=0, le=65535)
+    """Port of the harness-facing API, the admin API, /healthz and /metrics."""
+    engines: list[str] = ["http://127.0.0.1:8100"]
+    """Base URLs of the inference engines; an episode sticks to one (rendezvous hashing)."""
+    engine_model: str | None = None
+    """Model name to ask the engines for (default: the first one their /v1/models lists).
+    Harnesses may ask for any model name; it is answered under the name they asked for."""
+    token_secret: SecretStr | None = None
+    """HMAC secret of episode tokens (the controller's `token_secret`); required."""
+    previous_token_secrets: list[SecretStr] = []
+    """Older secrets still accepted while a rotation completes."""
+    admin_token: SecretStr | None = None
+    """Bearer token of the admin API (close, pause, resume, drain); required."""
+    max_body_bytes: int = Field(default=8 * MiB, ge=1024)
+    """Largest request body accepted (413 beyond)."""
+    upstream_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest a call may wait for its engine."""
+    upstream_attempts: int = Field(default=3, ge=1)
+    """Attempts at a call whose engine fails transiently (connection refused, 502/503/504)."""
+    train: SamplingOverrides = SamplingOverrides(temperature=1.0, top_p=1.0)
+    """Sampling forced on training episodes: by default the policy's own distribution."""
+    val: SamplingOverrides = SamplingOverrides()
+    """Sampling forced on validation episodes (default: the harness's own settings)."""
+    capture_bodies: bool = False
+    """Also record each call's request and response bodies in its ModelCall."""
+    body_capture_bytes: int = Field(default=64 * 1024, ge=0)
+    """Cap on each captured body."""
+    pause_hold_s: float = Field(default=10.0, ge=0)
+    """While paused, how long a new call waits for a resume before it is answered 429."""
+    pause_retry_after_s: int = Field(default=5, ge=1)
+    """Retry-After of a 429 answered while paused (the SDKs retry by themselves)."""
+    follow_control: bool = True
+    """Obey ControlCommand (pause/resume) events on hrl.policy."""
+
+    @field_validator("engines")
+    @classmethod
+    def _engines(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("at least one engine URL is required")
+        for url in value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http(s) URL")
+        return [url.rstrip("/") for url in value]
+
+
+class GatewayConfig(ServiceConfig):
+    """Settings of the gateway."""
+
+    gateway: GatewaySection = GatewaySection()
+    """The gateway."""

@@ -1,0 +1,118 @@
+"""The engines behind the gateway: which one serves an episode, and retrying the others.
+
+An episode sticks to one engine for the engine's prefix cache: engines are ranked per
+episode by rendezvous hashing, so adding or removing an engine moves only the episodes that
+ranked it first. A transient failure before any response (connection refused, a timeout
+while connecting, 502/503/504) moves the call down the episode's ranking after a short
+backoff; anything else is the caller's to answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from harnessrl.http import ClientResponse, HttpClient
+from harnessrl.logs import get_logger
+from harnessrl.retry import Backoff, is_retryable
+
+log = get_logger(__name__)
+
+RETRY_STATUSES = frozenset({502, 503, 504})
+_JSON = [("content-type", "application/json")]
+
+
+class UpstreamError(Exception):
+    """No engine could answer: `status` is what the harness gets (502 or 504)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class EnginePool:
+    """HTTP clients for the configured engines (keep-alive pools), and the retry policy."""
+
+    def __init__(self, urls: list[str], *, timeout_s: float, attempts: int) -> None:
+        self.urls = urls
+        self._clients = [HttpClient(url, read_timeout_s=timeout_s) for url in urls]
+        self._attempts = attempts
+        self._backoff = Backoff(0.05, 1.0)
+
+    def ranking(self, episode_id: str) -> list[int]:
+        """Engine indexes in the order this episode tries them."""
+        if len(self.urls) == 1:
+            return [0]
+        scores = [
+            hashlib.blake2b(f"{episode_id}|{url}".encode(), digest_size=8).digest()
+            for url in self.urls
+        ]
+        return sorted(range(len(self.urls)), key=lambda i: scores[i], reverse=True)
+
+    async def request(self, episode_id: str, path: str, body: bytes) -> tuple[str, ClientResponse]:
+        """(engine URL, response) of a POST; transient failures are retried. A response with
+        a non-retryable status is returned as it is. Raises UpstreamError."""
+        last: str = "no engine answered"
+        delays = self._backoff.delays()
+        ranking = self.ranking(episode_id)
+        for attempt in range(self._attempts):
+            index = ranking[attempt % len(ranking)]
+            try:
+                response = await self._clients[index].request(
+                    "POST", path, headers=_JSON, body=body
+                )
+            except Exception as err:
+                if not is_retryable(err):
+                    raise
+                last = f"{self.urls[index]}: {type(err).__name__}: {err}"
+            else:
+                if response.status not in RETRY_STATUSES:
+                    return self.urls[index], response
+                last = f"{self.urls[index]}: HTTP {response.status}"
+            log.warning("engine call failed; retrying", attempt=attempt + 1, error=last)
+            await asyncio.sleep(next(delays))
+        raise UpstreamError(504 if "Timeout" in last else 502, f"engine unavailable: {last}")
+
+    @asynccontextmanager
+    async def stream(
+        self, episode_id: str, path: str, body: bytes
+    ) -> AsyncIterator[tuple[str, Any]]:
+        """(engine URL, streaming response) of a POST; retried like request() until an
+        engine answers, never after (bytes may have reached the harness by then)."""
+        last: str = "no engine answered"
+        delays = self._backoff.delays()
+        ranking = self.ranking(episode_id)
+        for attempt in range(self._attempts):
+            index = ranking[attempt % len(ranking)]
+            context = self._clients[index].stream("POST", path, headers=_JSON, body=body)
+            try:
+                response = await context.__aenter__()
+            except Exception as err:
+                if not is_retryable(err):
+                    raise
+                last = f"{self.urls[index]}: {type(err).__name__}: {err}"
+            else:
+                if response.status not in RETRY_STATUSES:
+                    try:
+                        yield self.urls[index], response
+                    except BaseException as exc:
+                        if not await context.__aexit__(type(exc), exc, exc.__traceback__):
+                            raise
+                    else:
+                        await context.__aexit__(None, None, None)
+                    return
+                await context.__aexit__(None, None, None)
+                last = f"{self.urls[index]}: HTTP {response.status}"
+            log.warning("engine call failed; retrying", attempt=attempt + 1, error=last)
+            await asyncio.sleep(next(delays))
+        raise UpstreamError(504 if "Timeout" in last else 502, f"engine unavailable: {last}")
+
+    async def get(self, path: str) -> ClientResponse:
+        """GET from the first engine (model listing)."""
+        return await self._clients[0].request("GET", path)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._clients), return_exceptions=True)

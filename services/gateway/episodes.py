@@ -1,0 +1,114 @@
+"""Open episodes on this gateway: call numbering, calls in flight, closing.
+
+An episode attempt is open from its first call until the controller closes it. Each call
+it completes gets the next sequence number (so seqs are 0..n-1 without gaps, in the order
+the calls completed) and its ModelCall's delivery is kept. Closing refuses further calls,
+waits for those in flight, then for every ModelCall to be acknowledged, and only then may
+EpisodeClosed{call_count} be published: a consumer that sees it can count on all the calls
+being on the topic before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from harnessrl.episode_token import EpisodeClaims
+
+Key = tuple[str, int]  # (episode id, attempt)
+
+
+class EpisodeClosedError(Exception):
+    """A call arrived for an episode attempt that has been closed."""
+
+
+@dataclass(eq=False)
+class Episode:
+    claims: EpisodeClaims
+    calls: int = 0
+    in_flight: int = 0
+    closed: bool = False
+    closed_count: int | None = None  # call_count, once EpisodeClosed was acknowledged
+    pending: list[asyncio.Future[object]] = field(default_factory=list)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def next_seq(self) -> int:
+        seq, self.calls = self.calls, self.calls + 1
+        return seq
+
+    def keep(self, delivery: asyncio.Future[object]) -> None:
+        self.pending = [d for d in self.pending if not d.done()]
+        self.pending.append(delivery)
+
+
+class EpisodeBook:
+    """Open (and recently closed) episodes of this replica. Use from one event loop."""
+
+    def __init__(self) -> None:
+        self._episodes: dict[Key, Episode] = {}
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def __len__(self) -> int:
+        return len(self._episodes)
+
+    @property
+    def in_flight(self) -> int:
+        """Calls in progress, over all episodes."""
+        return self._in_flight
+
+    async def wait_idle(self) -> None:
+        """Return once no call is in progress."""
+        await self._idle.wait()
+
+    def begin(self, claims: EpisodeClaims) -> Episode:
+        """Account for a new call; raises EpisodeClosedError if the episode is closed."""
+        key = (claims.episode_id, claims.attempt)
+        episode = self._episodes.get(key)
+        if episode is None:
+            episode = self._episodes[key] = Episode(claims)
+        if episode.closed:
+            raise EpisodeClosedError(
+                f"episode {claims.episode_id} attempt {claims.attempt} is closed"
+            )
+        episode.in_flight += 1
+        episode.idle.clear()
+        self._in_flight += 1
+        self._idle.clear()
+        return episode
+
+    def end(self, episode: Episode) -> None:
+        """The call (successful or not) is over."""
+        episode.in_flight -= 1
+        if episode.in_flight == 0:
+            episode.idle.set()
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle.set()
+
+    async def close(self, claims: EpisodeClaims) -> Episode:
+        """Refuse further calls, wait for those in flight and for every ModelCall's
+        acknowledgement. Idempotent. Raises what a refused delivery raised."""
+        key = (claims.episode_id, claims.attempt)
+        episode = self._episodes.get(key)
+        if episode is None:
+            episode = self._episodes[key] = Episode(claims)
+        episode.closed = True
+        while episode.in_flight:
+            await episode.idle.wait()
+        await asyncio.gather(*episode.pending)
+        episode.pending.clear()
+        return episode
+
+    def sweep(self, now: float | None = None) -> int:
+        """Forget episodes whose token has expired (no call can arrive for them any more);
+        returns how many were forgotten."""
+        now = time.time() if now is None else now
+        expired = [
+            k for k, e in self._episodes.items() if e.claims.expires_at <= now and e.in_flight == 0
+        ]
+        for key in expired:
+            del self._episodes[key]
+        return len(expired)

@@ -1,0 +1,75 @@
+"""Prometheus metrics of the gateway."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from harnessrl.metrics import Labelled
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.calls = Labelled(
+            Counter(
+                "harnessrl_gateway_calls",
+                "Harness calls by kind and outcome.",
+                ["kind", "outcome"],
+                registry=r,
+            )
+        )
+        self.latency = Labelled(
+            Histogram(
+                "harnessrl_gateway_call_seconds",
+                "Time from a call's arrival to its last byte.",
+                ["kind"],
+                buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
+                registry=r,
+            )
+        )
+        self.refused = Labelled(
+            Counter(
+                "harnessrl_gateway_refused",
+                "Calls refused before reaching an engine.",
+                ["reason"],
+                registry=r,
+            )
+        )
+        self.prompt_tokens = Counter(
+            "harnessrl_gateway_prompt_tokens", "Prompt tokens of captured calls.", registry=r
+        )
+        self.completion_tokens = Counter(
+            "harnessrl_gateway_completion_tokens",
+            "Completion tokens of captured calls.",
+            registry=r,
+        )
+        self.mismatches = Counter(
+            "harnessrl_gateway_logprob_mismatches",
+            "Captured choices whose log-probs and token ids differ in length.",
+            registry=r,
+        )
+        self.closed = Counter(
+            "harnessrl_gateway_episodes_closed",
+            "Episodes closed (EpisodeClosed published).",
+            registry=r,
+        )
+        self.episodes = Gauge(
+            "harnessrl_gateway_episodes", "Episodes known to this replica.", registry=r
+        )
+        self.in_flight = Gauge("harnessrl_gateway_in_flight", "Calls in progress.", registry=r)
+        self.paused = Gauge(
+            "harnessrl_gateway_paused", "1 while calls are held (paused).", registry=r
+        )
+
+    def track(
+        self,
+        episodes: Callable[[], float],
+        in_flight: Callable[[], float],
+        paused: Callable[[], float],
+    ) -> None:
+        """Read the gauges from these functions at scrape time."""
+        self.episodes.set_function(episodes)
+        self.in_flight.set_function(in_flight)
+        self.paused.set_function(paused)

@@ -1,0 +1,206 @@
+"""`harnessrl gateway`: the harness-facing API, capture to hrl.calls, and the admin API."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+from typing import Any
+
+import orjson
+
+from harnessrl import events
+from harnessrl.bus import BusMetrics, Consumer, Context, Producer, Record, ensure_topics
+from harnessrl.http import HttpServer, Response
+from harnessrl.logs import get_logger
+from harnessrl.retry import Backoff, retry
+from harnessrl.runtime import Runtime
+from harnessrl.services.gateway.admin import Admin
+from harnessrl.services.gateway.app import GatewayApp, openai_error
+from harnessrl.services.gateway.calls import Forwarder
+from harnessrl.services.gateway.config import GatewayConfig
+from harnessrl.services.gateway.control import Gate
+from harnessrl.services.gateway.engines import EnginePool
+from harnessrl.services.gateway.episodes import EpisodeBook
+from harnessrl.services.gateway.metrics import GatewayMetrics
+from harnessrl.v1 import events_pb2 as pb
+
+log = get_logger(__name__)
+
+SWEEP_INTERVAL_S = 60.0
+
+
+class GatewayService:
+    """Wires the gateway; see services/gateway/app.py for the routes."""
+
+    def __init__(self, config: GatewayConfig, runtime: Runtime) -> None:
+        section = config.gateway
+        if section.token_secret is None:
+            raise ValueError("gateway.token_secret: required (the controller's token secret)")
+        if section.admin_token is None:
+            raise ValueError("gateway.admin_token: required (bearer token of the admin API)")
+        self._config = config
+        self._runtime = runtime
+        self._stopping = asyncio.Event()
+        self.ready = asyncio.Event()
+        self.server: HttpServer | None = None
+        self._producer: Producer | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.gate = Gate(hold_s=section.pause_hold_s, retry_after_s=section.pause_retry_after_s)
+        self.book = EpisodeBook()
+
+    @property
+    def port(self) -> int:
+        return self.server.port if self.server is not None else 0
+
+    async def run(self) -> None:
+        config, section, runtime = self._config, self._config.gateway, self._runtime
+        assert section.token_secret is not None and section.admin_token is not None
+        metrics = GatewayMetrics(runtime.registry)
+        metrics.track(
+            lambda: len(self.book), lambda: self.book.in_flight, lambda: float(self.gate.paused)
+        )
+        bus_metrics = BusMetrics(runtime.registry)
+        async with AsyncExitStack() as stack:
+            producer = Producer(
+                config.kafka, config.producer, name=runtime.producer_name, metrics=bus_metrics
+            )
+            await producer.start()
+            stack.push_async_callback(producer.stop)
+            self._producer = producer
+            pool = EnginePool(
+                section.engines,
+                timeout_s=section.upstream_timeout_s,
+                attempts=section.upstream_attempts,
+            )
+            stack.push_async_callback(pool.close)
+            engine_model, models = await self._discover(pool)
+            forwarder = Forwarder(
+                section,
+                pool=pool,
+                book=self.book,
+                gate=self.gate,
+                producer=producer,
+                metrics=metrics,
+                tracer=runtime.tracer_provider.get_tracer("harnessrl.gateway"),
+                engine_model=engine_model,
+            )
+            admin = Admin(
+                token=section.admin_token.get_secret_value().encode(),
+                book=self.book,
+                gate=self.gate,
+                producer=producer,
+                metrics=metrics,
+                status=lambda: {"engines": section.engines, "engine_model": engine_model},
+            )
+            secrets = [
+                s.get_secret_value().encode()
+                for s in [section.token_secret, *section.previous_token_secrets]
+            ]
+            app = GatewayApp(
+                forwarder,
+                admin,
+                secrets=secrets,
+                registry=runtime.registry,
+                health=self.health,
+                models=lambda: models,
+            )
+            self.server = HttpServer(
+                app,
+                host=section.host,
+                port=section.port,
+                max_body_bytes=section.max_body_bytes,
+                on_error=_error_response,
+            )
+            await self.server.start()
+            stack.push_async_callback(self.server.stop, section.shutdown_timeout_s)
+            self._background(self._topics(), "topics")
+            self._background(self._sweep(admin), "sweep")
+            if section.follow_control:
+                await self._follow_control(producer, bus_metrics, stack)
+            log.info(
+                "gateway serving",
+                port=self.port,
+                engines=section.engines,
+                engine_model=engine_model,
+            )
+            self.ready.set()
+            await self._stopping.wait()
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def stop(self) -> None:
+        self._stopping.set()
+
+    def health(self) -> dict[str, bool]:
+        return {
+            "serving": self.server is not None,
+            "producer": self._producer is not None and self._producer.healthy,
+        }
+
+    def _background(self, coroutine: Any, name: str) -> None:
+        self._tasks.append(asyncio.create_task(coroutine, name=name))
+
+    async def _discover(self, pool: EnginePool) -> tuple[str, bytes]:
+        """(model to ask the engines for, the /v1/models answer harnesses get)."""
+
+        async def ask() -> bytes:
+            response = await pool.get("/v1/models")
+            if response.status != 200:
+                raise ConnectionError(f"/v1/models answered {response.status}")
+            return response.body
+
+        body = await retry(ask, backoff=Backoff(0.2, 2.0), max_attempts=60)
+        name = self._config.gateway.engine_model or orjson.loads(body)["data"][0]["id"]
+        return name, body
+
+    async def _topics(self) -> None:
+        if self._config.kafka.create_topics:
+            await ensure_topics(
+                self._config.kafka, [events.CALLS, events.POLICY], max_attempts=10**6
+            )
+
+    async def _sweep(self, admin: Admin) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            self.book.sweep()
+            admin.sweep()
+
+    async def _follow_control(
+        self, producer: Producer, metrics: BusMetrics, stack: AsyncExitStack
+    ) -> None:
+        async def handle(record: Record, ctx: Context) -> None:
+            if record.kind != "control_command":
+                return
+            command: pb.ControlCommand = record.event  # type: ignore[assignment]
+            if command.action == pb.CONTROL_ACTION_PAUSE:
+                self.gate.pause(command.reason or "control command")
+            elif command.action == pb.CONTROL_ACTION_RESUME:
+                self.gate.resume()
+            log.info(
+                "control command applied",
+                action=pb.ControlAction.Name(command.action),
+                paused=self.gate.paused,
+            )
+
+        consumer = Consumer(
+            self._config.kafka,
+            self._config.consumer,
+            topics=[events.POLICY],
+            group_id=f"harnessrl.gateway.{self._config.instance}",
+            handler=handle,
+            producer=producer,
+            metrics=metrics,
+        )
+        task = asyncio.create_task(consumer.run(), name="control")
+
+        async def stop() -> None:
+            await consumer.stop()
+            await asyncio.gather(task, return_exceptions=True)
+
+        stack.push_async_callback(stop)
+
+
+def _error_response(status: int, message: str) -> Response:
+    """Errors the HTTP layer answers itself (malformed, too large, too slow), OpenAI-shaped."""
+    return openai_error(status, message)

@@ -1,0 +1,113 @@
+"""A running stack for gateway tests: the real broker, engine and gateway, in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
+
+from harnessrl import events
+from harnessrl.broker import EmbeddedBroker
+from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
+from harnessrl.episode_token import EpisodeClaims, mint
+from harnessrl.runtime import Runtime
+from harnessrl.services.gateway.config import GatewayConfig, GatewaySection
+from harnessrl.services.gateway.service import GatewayService
+from harnessrl.services.inference.config import InferenceConfig, InferenceSection
+from harnessrl.services.inference.service import InferenceService
+from harnessrl.v1 import events_pb2 as pb
+from tests.helpers import FAST_GROUP, read_topic, topic_size
+
+SECRET = "token-secret-for-tests-0123456789"
+ADMIN = "admin-token-for-tests"
+
+
+@dataclass
+class Stack:
+    broker: EmbeddedBroker
+    engine_url: str
+    gateway_url: str
+    gateway: GatewayService
+    registry: CollectorRegistry
+
+    def token(
+        self,
+        episode: str = "ep-1",
+        attempt: int = 1,
+        group: str = "g-1",
+        mode: str = "train",
+        ttl: float = 300.0,
+    ) -> str:
+        claims = EpisodeClaims(episode, attempt, group, mode, time.time() + ttl)  # type: ignore[arg-type]
+        return mint(claims, SECRET.encode())
+
+    def openai_base(self, token: str) -> str:
+        return f"{self.gateway_url}/e/{token}/v1"
+
+    def anthropic_base(self, token: str) -> str:
+        return f"{self.gateway_url}/e/{token}"
+
+    async def calls(self, at_least: int = 0, timeout: float = 30.0) -> list[pb.ModelCall]:
+        """Every ModelCall on hrl.calls (waiting until there are `at_least`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            size = await topic_size(self.broker.bootstrap, events.CALLS)
+            records = await read_topic(self.broker.bootstrap, events.CALLS, size) if size else []
+            found = [events.decode(events.CALLS, r.value) for r in records]
+            calls = [e.model_call for e in found if e.WhichOneof("event") == "model_call"]
+            if len(calls) >= at_least or time.monotonic() > deadline:
+                return calls
+            await asyncio.sleep(0.1)
+
+    async def closed(self) -> list[pb.EpisodeClosed]:
+        size = await topic_size(self.broker.bootstrap, events.CALLS)
+        records = await read_topic(self.broker.bootstrap, events.CALLS, size) if size else []
+        found = [events.decode(events.CALLS, r.value) for r in records]
+        return [e.episode_closed for e in found if e.WhichOneof("event") == "episode_closed"]
+
+
+@asynccontextmanager
+async def running_stack(
+    broker: EmbeddedBroker, tmp_path: Path, model: Path, **gateway: Any
+) -> AsyncIterator[Stack]:
+    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap, partitions=3)
+    engine = InferenceService(
+        InferenceConfig(inference=InferenceSection(model=model, port=0, follow_policy=False)),
+        Runtime("inference", "e-0", CollectorRegistry(), TracerProvider()),
+    )
+    engine_task = asyncio.create_task(engine.run())
+    await asyncio.wait_for(engine.ready.wait(), 60)
+    engine_url = f"http://127.0.0.1:{engine.port}"
+    registry = CollectorRegistry()
+    section = GatewaySection(
+        port=0,
+        engines=[engine_url],
+        token_secret=SecretStr(SECRET),
+        admin_token=SecretStr(ADMIN),
+        **gateway,
+    )
+    config = GatewayConfig(
+        instance="gw-0",
+        kafka=kafka,
+        consumer=ConsumerSettings(**FAST_GROUP),
+        producer=ProducerSettings(spill_dir=tmp_path / "gw-spill"),
+        gateway=section,
+    )
+    service = GatewayService(config, Runtime("gateway", "gw-0", registry, TracerProvider()))
+    gateway_task = asyncio.create_task(service.run())
+    await asyncio.wait_for(service.ready.wait(), 60)
+    try:
+        yield Stack(broker, engine_url, f"http://127.0.0.1:{service.port}", service, registry)
+    finally:
+        await service.stop()
+        await gateway_task
+        await engine.stop()
+        await engine_task

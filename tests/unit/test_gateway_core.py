@@ -1,0 +1,200 @@
+"""The gateway's domain pieces: what is asked of the engine, kept, returned, counted."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from harnessrl.episode_token import EpisodeClaims
+from harnessrl.services.gateway.capture import (
+    CHAT,
+    COMPLETIONS,
+    Completion,
+    for_harness,
+    prepare,
+    take,
+)
+from harnessrl.services.gateway.config import SamplingOverrides
+from harnessrl.services.gateway.control import Gate, Paused
+from harnessrl.services.gateway.episodes import EpisodeBook, EpisodeClosedError
+
+CLAIMS = EpisodeClaims("ep", 1, "g", "train", time.time() + 86_400)
+
+
+def test_the_engine_is_asked_for_ids_and_logprobs_with_the_mode_sampling() -> None:
+    body = {"model": "gpt-4o", "messages": [], "temperature": 0.2, "include_reasoning": False}
+    upstream, asked = prepare(
+        body, CHAT, "tiny-model", SamplingOverrides(temperature=1.0, top_p=1.0)
+    )
+    assert upstream["model"] == "tiny-model"
+    assert upstream["return_token_ids"] is True and upstream["logprobs"] is True
+    assert upstream["temperature"] == 1.0 and upstream["top_p"] == 1.0
+    assert "include_reasoning" not in upstream  # vLLM drops token ids with it
+    assert body["temperature"] == 0.2  # the harness's body is left alone
+    assert asked.model == "gpt-4o" and not asked.logprobs and not asked.token_ids
+    kept, _ = prepare(body, CHAT, "tiny-model", SamplingOverrides())
+    assert kept["temperature"] == 0.2
+    completion, asked = prepare(
+        {"prompt": "x", "logprobs": 2}, COMPLETIONS, "m", SamplingOverrides()
+    )
+    assert completion["logprobs"] == 2 and asked.logprobs
+    completion, asked = prepare({"prompt": "x"}, COMPLETIONS, "m", SamplingOverrides())
+    assert completion["logprobs"] == 0 and not asked.logprobs
+
+
+def test_stream_chunks_fold_into_per_choice_completions() -> None:
+    completions: dict[int, Completion] = {}
+    take(
+        {
+            "prompt_token_ids": [1, 2, 3],
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+        },
+        CHAT,
+        completions,
+    )
+    for token, lp in ((7, -0.5), (8, -1.5)):
+        take(
+            {
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": "x"},
+                        "token_ids": [token],
+                        "logprobs": {"content": [{"token": "x", "logprob": lp}]},
+                    }
+                ]
+            },
+            CHAT,
+            completions,
+        )
+    take(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {},
+                    "finish_reason": "stop",
+                    "token_ids": [9],
+                    "logprobs": {"content": [{"token": "", "logprob": -0.1}]},
+                }
+            ]
+        },
+        CHAT,
+        completions,
+    )
+    assert completions[0] == Completion([1, 2, 3], [7, 8, 9], [-0.5, -1.5, -0.1], "stop")
+
+
+def test_completions_fold_per_choice_prompts() -> None:
+    completions: dict[int, Completion] = {}
+    take(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "a",
+                    "prompt_token_ids": [1],
+                    "token_ids": [5],
+                    "logprobs": {"token_logprobs": [-0.2]},
+                    "finish_reason": "length",
+                },
+                {
+                    "index": 1,
+                    "text": "b",
+                    "prompt_token_ids": [2, 3],
+                    "token_ids": [6],
+                    "logprobs": {"token_logprobs": [-0.3]},
+                    "finish_reason": "length",
+                },
+            ]
+        },
+        COMPLETIONS,
+        completions,
+    )
+    assert completions[1] == Completion([2, 3], [6], [-0.3], "length")
+
+
+def test_the_harness_gets_the_api_answer_without_vllm_fields() -> None:
+    _, asked = prepare({"model": "gpt-4o", "messages": []}, CHAT, "tiny", SamplingOverrides())
+    data = {
+        "model": "tiny",
+        "prompt_token_ids": [1],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"content": "hi"},
+                "token_ids": [2],
+                "stop_reason": None,
+                "logprobs": {"content": []},
+                "finish_reason": "stop",
+            }
+        ],
+    }
+    assert for_harness(data, asked) == {
+        "model": "gpt-4o",
+        "choices": [
+            {"index": 0, "message": {"content": "hi"}, "logprobs": None, "finish_reason": "stop"}
+        ],
+    }
+    _, asked = prepare(
+        {"model": "m", "return_token_ids": True, "logprobs": True}, CHAT, "t", SamplingOverrides()
+    )
+    kept = for_harness(
+        {
+            "prompt_token_ids": [1],
+            "choices": [{"index": 0, "token_ids": [2], "logprobs": {"content": []}}],
+        },
+        asked,
+    )
+    assert kept["prompt_token_ids"] == [1] and kept["choices"][0]["token_ids"] == [2]
+    assert kept["choices"][0]["logprobs"] == {"content": []}
+
+
+async def test_closing_waits_for_calls_in_flight_and_their_deliveries() -> None:
+    book = EpisodeBook()
+    episode = book.begin(CLAIMS)
+    delivery: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+    episode.keep(delivery)
+    assert episode.next_seq() == 0 and episode.next_seq() == 1
+    closing = asyncio.create_task(book.close(CLAIMS))
+    await asyncio.sleep(0.01)
+    with pytest.raises(EpisodeClosedError, match="ep attempt 1 is closed"):
+        book.begin(CLAIMS)
+    assert not closing.done()  # a call is still in flight
+    book.end(episode)
+    await asyncio.sleep(0.01)
+    assert not closing.done()  # its ModelCall is not acknowledged yet
+    delivery.set_result(None)
+    closed = await closing
+    assert closed.calls == 2 and closed.in_flight == 0
+
+
+def test_expired_episodes_are_forgotten() -> None:
+    book = EpisodeBook()
+    book.end(book.begin(EpisodeClaims("old", 1, "g", "val", time.time() - 1)))
+    book.end(book.begin(CLAIMS))
+    assert book.sweep() == 1
+    assert len(book) == 1
+
+
+async def test_a_paused_gate_holds_then_refuses() -> None:
+    gate = Gate(hold_s=0.05, retry_after_s=3)
+    gate.pause("swap")
+    with pytest.raises(Paused) as info:
+        await gate.enter()
+    assert info.value.retry_after_s == 3
+    waiting = asyncio.create_task(Gate.enter(gate))
+    await asyncio.sleep(0.01)
+    gate.resume()
+    await waiting  # a resume within the hold lets the call through
+
+
+def test_an_episode_ranks_engines_the_same_way_every_time() -> None:
+    from harnessrl.services.gateway.engines import EnginePool
+
+    pool = EnginePool([f"http://e{i}:8100" for i in range(4)], timeout_s=1, attempts=2)
+    first = {pool.ranking(f"ep-{i}")[0] for i in range(200)}
+    assert first == {0, 1, 2, 3}  # spread over all engines
+    assert all(pool.ranking("ep-7") == pool.ranking("ep-7") for _ in range(3))
