@@ -96,10 +96,13 @@ def _run_loop(coroutine: Any) -> None:
 
 
 def _load(
-    base: str, paths: list[str], concurrency: int, seconds: float, calls: int, out: Any
+    base: str, paths: list[str], concurrency: int, budget: tuple[float, int], out: Any
 ) -> None:
-    """The load generator (a child process): latencies of `calls` calls or for `seconds`."""
+    """The load generator (a child process): latencies of `calls` calls (0: unlimited)
+    or for `seconds`, whichever ends first; `budget` is (seconds, calls)."""
     from harnessrl.http import HttpClient
+
+    seconds, calls = budget
 
     async def main() -> None:
         client = HttpClient(base, max_connections=concurrency + 4)
@@ -143,7 +146,7 @@ def _measure(
 ) -> dict[str, float]:
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    process = ctx.Process(target=_load, args=(base, paths, concurrency, seconds, calls, queue))
+    process = ctx.Process(target=_load, args=(base, paths, concurrency, (seconds, calls), queue))
     process.start()
     result: dict[str, float] = queue.get(timeout=seconds + 600)
     process.join()

@@ -142,7 +142,17 @@ class GatewayService:
         self._tasks.append(asyncio.create_task(coroutine, name=name))
 
     async def _discover(self, pool: EnginePool) -> tuple[str, bytes]:
-        """(model to ask the engines for, the /v1/models answer harnesses get)."""
+        """(model to ask the engines for, the /v1/models answer harnesses get). With
+        gateway.engine_model set, no engine needs to answer for the gateway to start."""
+        configured = self._config.gateway.engine_model
+        if configured:
+            listing = {
+                "object": "list",
+                "data": [
+                    {"id": configured, "object": "model", "created": 0, "owned_by": "harnessrl"}
+                ],
+            }
+            return configured, orjson.dumps(listing)
 
         async def ask() -> bytes:
             response = await pool.get("/v1/models")
@@ -151,8 +161,7 @@ class GatewayService:
             return response.body
 
         body = await retry(ask, backoff=Backoff(0.2, 2.0), max_attempts=60)
-        name = self._config.gateway.engine_model or orjson.loads(body)["data"][0]["id"]
-        return name, body
+        return str(orjson.loads(body)["data"][0]["id"]), body
 
     async def _topics(self) -> None:
         if self._config.kafka.create_topics:

@@ -87,9 +87,9 @@ async def running_stack(
     await asyncio.wait_for(engine.ready.wait(), 60)
     engine_url = f"http://127.0.0.1:{engine.port}"
     registry = CollectorRegistry()
+    gateway.setdefault("engines", [engine_url])
     section = GatewaySection(
         port=0,
-        engines=[engine_url],
         token_secret=SecretStr(SECRET),
         admin_token=SecretStr(ADMIN),
         **gateway,

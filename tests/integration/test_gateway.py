@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from harnessrl.broker import EmbeddedBroker
 from harnessrl.episode_token import EpisodeClaims, mint
 from harnessrl.services.gateway.anthropic import messages_to_chat
 from harnessrl.v1 import events_pb2 as pb
-from tests.integration.gateway_stack import ADMIN, Stack, running_stack
+from tests.helpers import eventually
+from tests.integration.gateway_stack import ADMIN, SECRET, Stack, running_stack
 from tests.model_helpers import overfit
 
 pytestmark = pytest.mark.integration
@@ -358,3 +360,120 @@ async def test_with_the_broker_frozen_every_call_is_answered_and_captured_after(
     assert len(answers) == 200
     captured = await stack.calls(at_least=200, timeout=60)
     assert sorted(c.seq for c in captured) == list(range(200))
+
+
+async def test_the_token_may_be_the_anthropic_api_key_on_the_plain_route(stack: Stack) -> None:
+    client = anthropic.AsyncAnthropic(
+        base_url=stack.gateway_url, api_key=stack.token("ep-key", mode="val"), max_retries=0
+    )
+    message = await client.messages.create(
+        model="claude-test",
+        max_tokens=8,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "hello"}],
+    )
+    assert message.type == "message" and message.model == "claude-test"
+    assert [c.episode_id for c in await stack.calls(at_least=1)] == ["ep-key"]
+
+
+async def test_call_spans_continue_the_harness_trace_or_else_the_episodes(
+    stack: Stack,
+) -> None:
+    episode_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    claims = EpisodeClaims(
+        "ep-trace", 1, "g", "train", time.time() + 300, f"00-{episode_trace}-00f067aa0ba902b7-01"
+    )
+    token = mint(claims, SECRET.encode())
+    harness_trace = "0af7651916cd43dd8448eb211c80319c"
+    plain = openai.AsyncOpenAI(base_url=stack.openai_base(token), api_key="k", max_retries=0)
+    await plain.chat.completions.create(model="m", messages=QUESTION, max_tokens=2)
+    await plain.chat.completions.create(
+        model="m",
+        messages=QUESTION,
+        max_tokens=2,
+        extra_headers={"traceparent": f"00-{harness_trace}-b7ad6b7169203331-01"},
+    )
+    first, second = await stack.calls(at_least=2)
+    assert first.trace_id == episode_trace  # no traceparent from the harness
+    assert second.trace_id == harness_trace  # the harness's own trace wins
+    assert first.span_id != second.span_id
+
+
+async def test_control_commands_on_the_policy_topic_pause_and_resume(
+    stack: Stack,
+    tmp_path: Path,
+) -> None:
+    from harnessrl.bus import Producer
+    from harnessrl.config import KafkaSettings, ProducerSettings
+
+    producer = Producer(
+        KafkaSettings(bootstrap_servers=stack.broker.bootstrap),
+        ProducerSettings(spill_dir=tmp_path / "trainer"),
+        name="trainer/t",
+    )
+    await producer.start()
+    auth = {"authorization": f"Bearer {ADMIN}"}
+
+    async def paused() -> bool:
+        async with httpx.AsyncClient() as http:
+            status = await http.get(f"{stack.gateway_url}/admin/status", headers=auth)
+        return bool(status.json()["paused"])
+
+    await producer.publish(
+        pb.ControlCommand(
+            command_id="c1",
+            action=pb.CONTROL_ACTION_PAUSE,
+            reason="sync swap to 2",
+            policy_version=2,
+        )
+    )
+    await eventually(paused, timeout=30)
+    await producer.publish(pb.ControlCommand(command_id="c2", action=pb.CONTROL_ACTION_RESUME))
+    await eventually(lambda: _not(paused), timeout=30)
+    await producer.stop()
+
+
+async def _not(check: Any) -> bool:
+    return not await check()
+
+
+async def test_an_unreachable_engine_is_a_502_in_the_apis_shape(
+    broker: EmbeddedBroker,
+    tmp_path: Path,
+    tool_model: Path,
+) -> None:
+    from harnessrl.broker import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with running_stack(
+        broker, tmp_path, tool_model, upstream_attempts=2, engine_model="m", engines=[dead]
+    ) as stack:
+        client = openai.AsyncOpenAI(
+            base_url=stack.openai_base(stack.token()), api_key="k", max_retries=0
+        )
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.chat.completions.create(model="m", messages=QUESTION, max_tokens=2)
+        assert info.value.status_code == 502
+        assert "engine unavailable" in str(info.value)
+        assert await stack.calls() == []
+
+
+async def test_bodies_are_captured_when_configured(
+    broker: EmbeddedBroker,
+    tmp_path: Path,
+    tool_model: Path,
+) -> None:
+    async with running_stack(
+        broker, tmp_path, tool_model, capture_bodies=True, body_capture_bytes=4096
+    ) as stack:
+        async with httpx.AsyncClient() as http:
+            body = {"model": "m", "messages": QUESTION, "max_tokens": 3}
+            response = await http.post(
+                f"{stack.openai_base(stack.token())}/chat/completions", json=body
+            )
+        (call,) = await stack.calls(at_least=1)
+        assert json.loads(call.request_body) == body
+        assert json.loads(call.response_body)["choices"][0]["token_ids"] == list(
+            call.completion_token_ids
+        )
+        assert response.status_code == 200 and not call.bodies_truncated

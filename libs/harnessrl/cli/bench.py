@@ -89,19 +89,24 @@ def register(commands: Any) -> None:
     )
     weights.set_defaults(run=_run_weights)
     gateway = sub.add_parser(
-        "gateway", help="latency the gateway adds and calls/s through it (capture on)",
+        "gateway",
+        help="latency the gateway adds and calls/s through it (capture on)",
         description="A load generator against a stand-in engine (canned vLLM-shaped "
         "answers), directly and through `harnessrl gateway` capturing to an embedded broker, "
         "at concurrency 1, 16 and 64 in alternating runs; then a soak through the gateway "
         "measuring its resident memory. The last line is one JSON object.",
     )
     gateway.add_argument("--json", action="store_true", help="print only the JSON line")
-    gateway.add_argument("--seconds", type=float, default=4.0,
-                         help="seconds per run (default 4)")
-    gateway.add_argument("--rounds", type=int, default=3,
-                         help="runs per target and concurrency; medians reported (default 3)")
-    gateway.add_argument("--soak-calls", type=int, default=100_000,
-                         help="calls in the memory soak (default 100000)")
+    gateway.add_argument("--seconds", type=float, default=4.0, help="seconds per run (default 4)")
+    gateway.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="runs per target and concurrency; medians reported (default 3)",
+    )
+    gateway.add_argument(
+        "--soak-calls", type=int, default=100_000, help="calls in the memory soak (default 100000)"
+    )
     gateway.set_defaults(run=_run_gateway)
     parser.set_defaults(run=lambda _: parser.print_help() or 2)
 
