@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from harnessrl import __version__
 from harnessrl.cli import bench, broker, config_cmd, events_cmd, submit
 from harnessrl.cli.common import CliError
+from harnessrl.services.controller import cli as controller
 from harnessrl.services.gateway import cli as gateway
 from harnessrl.services.inference import cli as inference
 
-_COMMANDS = (broker, inference, gateway, submit, events_cmd, config_cmd, bench)
+_COMMANDS = (broker, inference, gateway, controller, submit, events_cmd, config_cmd, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ from harnessrl.cli.common import add_config_option, load
 
 SERVICES = {
     "broker": "harnessrl.broker:BrokerConfig",
+    "controller": "harnessrl.services.controller.config:ControllerConfig",
     "gateway": "harnessrl.services.gateway.config:GatewayConfig",
     "inference": "harnessrl.services.inference.config:InferenceConfig",
 }

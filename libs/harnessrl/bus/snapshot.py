@@ -1,0 +1,57 @@
+"""Reading a topic from its beginning to where it ends now (state rebuilt after restarts)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from google.protobuf.message import Message
+
+from harnessrl import events
+from harnessrl.bus.kafka import client_kwargs
+from harnessrl.config import KafkaSettings
+from harnessrl.logs import get_logger
+
+log = get_logger(__name__)
+
+
+async def read_to_end(
+    kafka: KafkaSettings, topic: str, *, client_id: str
+) -> AsyncIterator[tuple[str, Message, Any]]:
+    """(event kind, event, raw record) of every decodable record of `topic` that exists when
+    called, partition by partition in offset order. Undecodable records are skipped (their
+    consumers send them to the DLQ). Raises what aiokafka raises when Kafka is unreachable."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(
+        **client_kwargs(kafka, client_id),
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    await consumer.start()
+    try:
+        await consumer.topics()
+        partitions = [
+            TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())
+        ]
+        ends = await consumer.end_offsets(partitions)
+        todo = {tp for tp in partitions if ends[tp] > 0}
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        while todo:
+            batch = await consumer.getmany(*todo, timeout_ms=1000)
+            for tp, records in batch.items():
+                for record in records:
+                    if record.offset >= ends[tp]:
+                        continue
+                    try:
+                        envelope = events.decode(topic, record.value)
+                    except events.DecodeError:
+                        continue
+                    _, kind, event = events.unwrap(envelope)
+                    yield kind, event, record
+                if records and records[-1].offset >= ends[tp] - 1:
+                    todo.discard(tp)
+    finally:
+        await consumer.stop()

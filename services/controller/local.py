@@ -1,0 +1,303 @@
+"""Harness runs as local processes.
+
+Each run gets its own session (so its own process group: the harness and every child it
+starts), an environment made of the LaunchSpec's plus only the allowed variables of the
+controller's own (never its secrets), its own working directory under
+`workdir/<episode>-<attempt>/`, `HARNESSRL_OUTPUT`
+pointing at `result.json` there, and stdout/stderr written to `stdout.log`/`stderr.log`
+there, each cut at `log_cap_bytes` (the end of stdout is also kept in memory for the
+`HARNESSRL_RESULT` line). At its timeout the whole group gets SIGTERM, then SIGKILL after
+the grace; when the harness exits, whatever it left running in its group is killed too, so
+no orphan survives an episode.
+
+A record per run (`state_dir/runs/<episode>-<attempt>.json`: pid, process group) lets a
+restarted controller find what it was running: those runs are killed (their exit status
+cannot be known any more) and reported "abandoned", and the controller retries them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import time
+from collections import deque
+from pathlib import Path
+from typing import IO
+
+import orjson
+
+from harnessrl.logs import get_logger
+from harnessrl.services.controller.runner import (
+    LaunchError,
+    LaunchSpec,
+    Outcome,
+    Run,
+    RunResult,
+    parse_result,
+)
+
+log = get_logger(__name__)
+
+_TAIL_LINES = 50
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+class LocalRun:
+    """One harness process group."""
+
+    def __init__(
+        self,
+        runner: LocalRunner,
+        spec: LaunchSpec | None,
+        episode_id: str,
+        attempt: int,
+        workdir: Path,
+    ) -> None:
+        self._runner = runner
+        self._spec = spec
+        self.episode_id = episode_id
+        self.attempt = attempt
+        self.workdir = workdir
+        self.ref = ""
+        self._process: asyncio.subprocess.Process | None = None
+        self._result: RunResult | None = None
+        self._done = asyncio.Event()
+        self._killed: str | None = None
+        self._tail: deque[str] = deque(maxlen=_TAIL_LINES)
+        self._started = time.time()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        assert self._spec is not None
+        spec = self._spec
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        inherited = {k: os.environ[k] for k in self._runner.inherit_env if k in os.environ}
+        env = {**inherited, **spec.env, "HARNESSRL_OUTPUT": str(self.workdir / "result.json")}
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                *spec.command,
+                cwd=self.workdir,
+                env=env,
+                start_new_session=True,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+        except OSError as err:
+            raise LaunchError(f"cannot start {spec.command[0]!r}: {err}") from err
+        self.ref = str(self._process.pid)
+        self._runner.record(self)
+        self._task = asyncio.create_task(self._follow(spec.timeout_s))
+
+    def abandoned(self, reason: str) -> None:
+        """For a recovered run: it is already over, as far as this controller can know."""
+        self._finish(
+            RunResult(
+                "abandoned",
+                None,
+                None,
+                None,
+                reason,
+                self.workdir.as_uri(),
+                self._started,
+                time.time(),
+            )
+        )
+
+    async def wait(self) -> RunResult:
+        await self._done.wait()
+        assert self._result is not None
+        return self._result
+
+    async def kill(self, reason: str) -> None:
+        if self._done.is_set() or self._process is None:
+            return
+        self._killed = reason
+        _killpg(self._process.pid, signal.SIGKILL)
+        await self._done.wait()
+
+    async def _follow(self, timeout_s: float) -> None:
+        process = self._process
+        assert process is not None and process.stdout is not None and process.stderr is not None
+        cap = self._runner.log_cap_bytes
+        with (
+            (self.workdir / "stdout.log").open("wb") as out,
+            (self.workdir / "stderr.log").open("wb") as err,
+        ):
+            readers = asyncio.gather(
+                _drain(process.stdout, out, cap, self._tail), _drain(process.stderr, err, cap, None)
+            )
+            timed_out = False
+            try:
+                await asyncio.wait_for(process.wait(), timeout_s)
+            except TimeoutError:
+                timed_out = True
+                await self._terminate(process)
+            _killpg(process.pid, signal.SIGKILL)  # leftovers: the harness's children
+            try:  # a child that escaped the group may hold the pipes open: do not wait forever
+                await asyncio.wait_for(readers, self._runner.kill_grace_s)
+            except TimeoutError:
+                log.warning(
+                    "harness output still open after it ended; stopped reading",
+                    episode_id=self.episode_id,
+                    attempt=self.attempt,
+                )
+        self._runner.forget(self)
+        output = self.workdir / "result.json"
+        data = output.read_bytes() if output.exists() else None
+        result_json, error, truncated = parse_result(
+            data, "\n".join(self._tail), self._runner.result_cap_bytes
+        )
+        outcome: Outcome
+        if self._killed is not None:
+            outcome, message = "abandoned", self._killed
+        elif timed_out:
+            outcome, message = "timeout", f"killed after its {timeout_s:g} s timeout"
+        else:
+            outcome, message = "exited", f"exited with code {process.returncode}"
+        exit_code = None if outcome != "exited" else process.returncode
+        self._finish(
+            RunResult(
+                outcome,
+                exit_code,
+                result_json,
+                error,
+                message,
+                self.workdir.as_uri(),
+                self._started,
+                time.time(),
+                truncated,
+            )
+        )
+
+    async def _terminate(self, process: asyncio.subprocess.Process) -> None:
+        _killpg(process.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), self._runner.kill_grace_s)
+        except TimeoutError:
+            _killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+
+    def _finish(self, result: RunResult) -> None:
+        self._result = result
+        self._done.set()
+
+
+async def _drain(
+    stream: asyncio.StreamReader, sink: IO[bytes], cap: int, tail: deque[str] | None
+) -> None:
+    written = 0
+    while line := await stream.readline():
+        if written < cap:
+            chunk = line[: cap - written]
+            sink.write(chunk)
+            written += len(chunk)
+        if tail is not None:
+            tail.append(line.decode("utf-8", "replace").rstrip("\r\n"))
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class LocalRunner:
+    """Runs harnesses as local process groups; see the module docstring."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        *,
+        workdir: Path,
+        state_dir: Path,
+        log_cap_bytes: int,
+        result_cap_bytes: int,
+        kill_grace_s: float,
+        inherit_env: list[str],
+    ) -> None:
+        self.inherit_env = inherit_env
+        self.workdir = workdir
+        self.records = state_dir / "runs"
+        self.log_cap_bytes = log_cap_bytes
+        self.result_cap_bytes = result_cap_bytes
+        self.kill_grace_s = kill_grace_s
+        self._runs: set[LocalRun] = set()
+
+    async def start(self) -> None:
+        self.records.mkdir(parents=True, exist_ok=True)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+
+    async def stop(self) -> None:
+        """Runs in progress keep running; a restarted controller recovers them."""
+
+    async def launch(self, spec: LaunchSpec) -> Run:
+        run = LocalRun(
+            self,
+            spec,
+            spec.episode_id,
+            spec.attempt,
+            self.workdir / f"{_safe(spec.episode_id)}-{spec.attempt}",
+        )
+        await run.start()
+        self._runs.add(run)
+        return run
+
+    async def recover(self) -> list[Run]:
+        recovered: list[Run] = []
+        for path in sorted(self.records.glob("*.json")):
+            try:
+                data = orjson.loads(path.read_bytes())
+            except (OSError, orjson.JSONDecodeError):
+                path.unlink(missing_ok=True)
+                continue
+            run = LocalRun(self, None, data["episode_id"], data["attempt"], Path(data["workdir"]))
+            run.ref = str(data["pid"])
+            if _alive(data["pid"]):
+                _killpg(data["pid"], signal.SIGKILL)
+                reason = "controller restarted: the run was killed (its outcome is unknowable)"
+            else:
+                reason = "controller restarted: the run had ended unobserved"
+            run.abandoned(reason)
+            path.unlink(missing_ok=True)
+            log.warning(
+                "recovered a run left by a previous controller",
+                episode_id=run.episode_id,
+                attempt=run.attempt,
+                pid=data["pid"],
+                reason=reason,
+            )
+            recovered.append(run)
+        return recovered
+
+    def record(self, run: LocalRun) -> None:
+        data = {
+            "episode_id": run.episode_id,
+            "attempt": run.attempt,
+            "pid": int(run.ref),
+            "workdir": str(run.workdir),
+        }
+        path = self.records / f"{_safe(run.episode_id)}-{run.attempt}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(orjson.dumps(data))
+        os.replace(tmp, path)
+
+    def forget(self, run: LocalRun) -> None:
+        (self.records / f"{_safe(run.episode_id)}-{run.attempt}.json").unlink(missing_ok=True)
+        self._runs.discard(run)

@@ -1,0 +1,279 @@
+"""`harnessrl controller`: tasks in, harness runs out, every episode accounted for.
+
+A task becomes a group of episodes (`<group_id>-<index>`); its record on hrl.tasks is held
+(its offset not committed) until every episode of the group is final, so a restarted
+controller gets every unfinished group again. At start it rebuilds the ledger from
+hrl.episodes and recovers the runs its predecessor left (local processes are ended and
+retried; Kubernetes Jobs are adopted), so each episode resumes where it stood.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+from typing import Any
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from harnessrl import events
+from harnessrl.bus import BusMetrics, Consumer, Context, Hold, Producer, Record, ensure_topics
+from harnessrl.bus.snapshot import read_to_end
+from harnessrl.logs import get_logger
+from harnessrl.metrics import Labelled
+from harnessrl.retry import PermanentError
+from harnessrl.runtime import Runtime
+from harnessrl.services.controller.admission import Admission
+from harnessrl.services.controller.config import ControllerConfig, HarnessSpec
+from harnessrl.services.controller.episodes import EpisodeRunner, EpisodeTask
+from harnessrl.services.controller.gateway_admin import GatewayAdmin
+from harnessrl.services.controller.lifecycle import Ledger
+from harnessrl.services.controller.runner import Runner
+from harnessrl.v1 import events_pb2 as pb
+
+log = get_logger(__name__)
+
+
+class ControllerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.launched = Counter(
+            "harnessrl_controller_runs_launched", "Harness runs started.", registry=registry
+        )
+        self.finished = Labelled(
+            Counter(
+                "harnessrl_controller_attempts_finished",
+                "Attempts reported, by status.",
+                ["status", "final"],
+                registry=registry,
+            )
+        )
+        self.groups = Gauge("harnessrl_controller_groups", "Groups in progress.", registry=registry)
+        self.running = Gauge(
+            "harnessrl_controller_episodes_running", "Episodes running.", registry=registry
+        )
+
+
+class ControllerService:
+    def __init__(self, config: ControllerConfig, runtime: Runtime) -> None:
+        section = config.controller
+        for name in ("token_secret", "admin_token"):
+            if getattr(section, name) is None:
+                raise ValueError(f"controller.{name}: required")
+        if section.harness is None and not section.families:
+            raise ValueError("controller.harness: required (or controller.families)")
+        self._config = config
+        self._runtime = runtime
+        self._stopping = asyncio.Event()
+        self._groups: dict[str, list[asyncio.Task[None]]] = {}
+        self._ledger = Ledger()
+        self._episodes: EpisodeRunner | None = None
+        self._producer: Producer | None = None
+        self.metrics = ControllerMetrics(runtime.registry)
+        self.ready = asyncio.Event()
+
+    async def run(self) -> None:
+        config, section, runtime = self._config, self._config.controller, self._runtime
+        assert section.admin_token is not None
+        bus_metrics = BusMetrics(runtime.registry)
+        async with AsyncExitStack() as stack:
+            producer = Producer(
+                config.kafka, config.producer, name=runtime.producer_name, metrics=bus_metrics
+            )
+            await producer.start()
+            stack.push_async_callback(producer.stop)
+            self._producer = producer
+            if config.kafka.create_topics:
+                await ensure_topics(
+                    config.kafka, [events.TASKS, events.EPISODES, events.POLICY], max_attempts=10**6
+                )
+            await self._rebuild()
+            runner = self._make_runner()
+            await runner.start()
+            stack.push_async_callback(runner.stop)
+            recovered = {(r.episode_id, r.attempt): r for r in await runner.recover()}
+            admission = Admission(
+                max_in_flight=section.max_in_flight,
+                sync=section.schedule == "sync",
+                max_staleness=section.max_staleness,
+                engines=section.engines,
+            )
+            gateway = GatewayAdmin(
+                section.gateway_admin_url or section.gateway_url,
+                section.admin_token.get_secret_value(),
+                timeout_s=section.close_timeout_s,
+            )
+            stack.push_async_callback(gateway.close)
+            self._episodes = EpisodeRunner(
+                section,
+                runner=runner,
+                producer=producer,
+                admission=admission,
+                gateway=gateway,
+                tracer=runtime.tracer_provider.get_tracer("harnessrl.controller"),
+                recovered=recovered,
+                metrics=self.metrics,
+            )
+            self.metrics.groups.set_function(lambda: len(self._groups))
+            self.metrics.running.set_function(lambda: admission.in_flight)
+            await self._consume(stack, producer, bus_metrics, admission)
+            log.info(
+                "controller running",
+                runner=runner.name,
+                recovered=len(recovered),
+                open_groups=len(self._ledger.groups),
+            )
+            self.ready.set()
+            await self._stopping.wait()
+
+    async def stop(self) -> None:
+        self._stopping.set()
+
+    def health(self) -> dict[str, bool]:
+        return {"producer": self._producer is not None and self._producer.healthy}
+
+    async def _rebuild(self) -> None:
+        async for kind, event, _ in read_to_end(
+            self._config.kafka, events.EPISODES, client_id=f"{self._runtime.producer_name}/rebuild"
+        ):
+            self._ledger.add(kind, event)
+
+    def _make_runner(self) -> Runner:
+        section = self._config.controller
+        if section.runner == "kubernetes":
+            from harnessrl.services.controller.kubernetes import KubernetesRunner
+
+            return KubernetesRunner(section.kubernetes)  # type: ignore[attr-defined]
+        from harnessrl.services.controller.local import LocalRunner
+
+        return LocalRunner(
+            workdir=section.workdir,
+            state_dir=section.state_dir,
+            log_cap_bytes=section.log_cap_bytes,
+            result_cap_bytes=section.result_cap_bytes,
+            kill_grace_s=section.kill_grace_s,
+            inherit_env=section.inherit_env,
+        )
+
+    async def _consume(
+        self, stack: AsyncExitStack, producer: Producer, metrics: BusMetrics, admission: Admission
+    ) -> None:
+        config = self._config
+        tracer = self._runtime.tracer_provider.get_tracer("harnessrl.controller")
+        tasks = Consumer(
+            config.kafka,
+            config.consumer,
+            topics=[events.TASKS],
+            group_id="harnessrl.controller",
+            handler=self._on_task,
+            producer=producer,
+            metrics=metrics,
+            tracer=tracer,
+            on_revoked=self._on_revoked,
+        )
+        policy = Consumer(
+            config.kafka,
+            config.consumer,
+            topics=[events.POLICY],
+            group_id=f"harnessrl.controller.{config.instance}",
+            handler=lambda r, c: self._on_policy(r, admission),
+            producer=producer,
+            metrics=metrics,
+            tracer=tracer,
+        )
+        # Teardown runs in reverse: stop taking tasks, stop following the policy, then end
+        # the episode tasks (their runs are recovered by the next controller).
+        stack.push_async_callback(self._cancel_episodes)
+        for consumer in (policy, tasks):
+            task = asyncio.create_task(consumer.run(), name=f"consume {consumer.topics[0]}")
+            stack.push_async_callback(_stopper(consumer, task))
+
+    async def _on_task(self, record: Record, ctx: Context) -> None:
+        if record.kind != "task_submitted":
+            return
+        task: pb.TaskSubmitted = record.event  # type: ignore[assignment]
+        harness, size = self._validate(task)
+        if task.group_id in self._groups:
+            return  # a redelivery while the group still runs
+        hold = ctx.hold()
+        assert self._episodes is not None
+        jobs = [EpisodeTask(task, harness, i, size) for i in range(size)]
+        self._groups[task.group_id] = [
+            asyncio.create_task(
+                self._episodes.run(job, self._ledger.episode(task.group_id, job.episode_id)),
+                name=f"episode {job.episode_id}",
+            )
+            for job in jobs
+        ]
+        asyncio.create_task(self._complete(task.group_id, hold))  # noqa: RUF006 - kept in _groups
+
+    async def _complete(self, group_id: str, hold: Hold) -> None:
+        results = await asyncio.gather(*self._groups[group_id], return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if any(isinstance(r, asyncio.CancelledError) for r in failed):
+            return  # shutting down: the task is redelivered to the next controller
+        for error in failed:
+            log.error("episode task failed", group_id=group_id, error=repr(error))
+        if failed:
+            return  # left held: redelivered after a restart, resumed from the ledger
+        self._groups.pop(group_id, None)
+        self._ledger.forget(group_id)
+        hold.release()
+        log.info("group complete", group_id=group_id)
+
+    def _validate(self, task: pb.TaskSubmitted) -> tuple[HarnessSpec, int]:
+        """The task's harness and group size; PermanentError (-> hrl.dlq) when unusable."""
+        section = self._config.controller
+        for name in ("task_id", "group_id", "input_json"):
+            if not getattr(task, name):
+                raise PermanentError(f"TaskSubmitted.{name}: required")
+        if task.split == pb.MODE_UNSPECIFIED:
+            raise PermanentError("TaskSubmitted.split: required (train or val)")
+        try:
+            orjson.loads(task.input_json)
+            metadata = orjson.loads(task.metadata_json or "{}")
+        except orjson.JSONDecodeError as err:
+            raise PermanentError(
+                f"TaskSubmitted: input_json/metadata_json not JSON: {err}"
+            ) from None
+        family = metadata.get("family") if isinstance(metadata, dict) else None
+        harness = section.families.get(family) if family else section.harness
+        if harness is None:
+            raise PermanentError(f"TaskSubmitted.metadata.family: no harness for {family!r}")
+        return harness, task.group_size or section.group_size
+
+    async def _on_policy(self, record: Record, admission: Admission) -> None:
+        if record.kind == "policy_version":
+            event: Any = record.event
+            await admission.announced_version(event.version)
+        elif record.kind == "policy_loaded" and record.event.ok:  # type: ignore[attr-defined]
+            event = record.event
+            if await admission.loaded(event.version, event.engine):
+                await self._end_stale(admission)
+
+    async def _end_stale(self, admission: Admission) -> None:
+        assert self._episodes is not None
+        for key in admission.stale():
+            run = self._episodes.runs.get(key)  # type: ignore[call-overload]
+            if run is not None:
+                await run.kill(
+                    f"stale: started more than {self._config.controller.max_staleness}"
+                    f" versions before {admission.serving}"
+                )
+
+    async def _on_revoked(self, partitions: list[tuple[str, int]]) -> None:
+        # Another controller owns those tasks now; it resumes their groups from the ledger.
+        log.warning("task partitions revoked", partitions=partitions)
+
+    async def _cancel_episodes(self) -> None:
+        tasks = [t for group in self._groups.values() for t in group]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _stopper(consumer: Consumer, task: asyncio.Task[None]) -> Any:
+    async def stop() -> None:
+        await consumer.stop()
+        await asyncio.gather(task, return_exceptions=True)
+
+    return stop
