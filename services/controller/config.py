@@ -38,6 +38,42 @@ class HarnessSpec(Section):
     """Exit codes that mean "try again" (75 = EX_TEMPFAIL); retried as a new attempt."""
 
 
+class KubernetesSettings(Section):
+    """How harness runs become Kubernetes Jobs."""
+
+    namespace: str = "default"
+    """Namespace the Jobs are created in."""
+    job_template: Path
+    """YAML file of a batch/v1 Job with placeholders ${EPISODE_ID}, ${ATTEMPT}, ${GROUP_ID},
+    ${TASK_ID}, ${JOB_NAME}, ${COMMAND_JSON} (validated when the runner is built)."""
+    kubeconfig: Path | None = None
+    """kubeconfig file to reach the cluster with; None: the in-cluster service account."""
+    ttl_seconds_after_finished: int = Field(default=600, ge=0)
+    """Seconds Kubernetes keeps a finished Job (and its pod and log) before deleting it."""
+    poll_interval_s: float = Field(default=5.0, gt=0)
+    """How often a run reads its Job while the watch is down, and its pod until the harness
+    has started."""
+    resync_interval_s: float = Field(default=60.0, gt=0)
+    """How often a run re-reads its Job even while the watch is up (a missed event costs
+    at most this long)."""
+    watch_timeout_s: int = Field(default=300, ge=1)
+    """Server-side length of one watch request; it is then reopened where it ended."""
+    timeout_grace_s: float = Field(default=30.0, ge=0)
+    """How long past its timeout a Job may run (Kubernetes should have ended it) before the
+    runner deletes it and reports "timeout"."""
+    pending_timeout_s: float = Field(default=300.0, gt=0)
+    """Longest the harness may wait to start (no pod, unschedulable, image not pulled)
+    before the Job is deleted and the run reported "infra_error"."""
+    log_tail_lines: int = Field(default=1000, ge=1)
+    """Lines of the pod log fetched when the run ends."""
+    log_tail_bytes: int = Field(default=2 * MiB, ge=1024)
+    """Bytes of those lines kept; the result line must fit in them."""
+    result_cap_bytes: int = Field(default=1 * MiB, ge=1)
+    """Largest result JSON reported; a longer one is truncated (result_truncated)."""
+    delete_after_collect: bool = True
+    """Delete a Job once its result is read; else keep it (for its TTL) labelled collected."""
+
+
 class ControllerSection(ServiceSection):
     """The controller: which harness, where it runs, how many at once."""
 
@@ -88,6 +124,9 @@ class ControllerSection(ServiceSection):
     """Between SIGTERM and SIGKILL when a run is stopped."""
     close_timeout_s: float = Field(default=120.0, gt=0)
     """How long to keep trying to close an episode at the gateway."""
+    kubernetes: KubernetesSettings | None = None
+    """Where and how harnesses run as Kubernetes Jobs (required when runner is
+    "kubernetes")."""
 
 
 class ControllerConfig(ServiceConfig):

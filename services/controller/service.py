@@ -61,6 +61,11 @@ class ControllerService:
                 raise ValueError(f"controller.{name}: required")
         if section.harness is None and not section.families:
             raise ValueError("controller.harness: required (or controller.families)")
+        if section.runner == "kubernetes" and section.kubernetes is None:
+            raise ValueError(
+                "controller.kubernetes: required when controller.runner is "
+                "kubernetes (job_template, namespace, ...)"
+            )
         self._config = config
         self._runtime = runtime
         self._stopping = asyncio.Event()
@@ -142,7 +147,8 @@ class ControllerService:
         if section.runner == "kubernetes":
             from harnessrl.services.controller.kubernetes import KubernetesRunner
 
-            return KubernetesRunner(section.kubernetes)  # type: ignore[attr-defined]
+            assert section.kubernetes is not None  # checked in __init__
+            return KubernetesRunner(section.kubernetes)
         from harnessrl.services.controller.local import LocalRunner
 
         return LocalRunner(
