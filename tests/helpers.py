@@ -111,15 +111,18 @@ async def read_topic(bootstrap: str, topic: str, count: int, timeout: float = 30
 
 
 async def topic_size(bootstrap: str, topic: str) -> int:
-    """Number of records on `topic` (sum of its partitions' end offsets)."""
+    """Number of records on `topic` (sum of its partitions' end offsets, as fetches report
+    them: see harnessrl.bus.snapshot.end_offsets)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from harnessrl.bus.snapshot import end_offsets
 
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None)
     await consumer.start()
     try:
         await consumer.topics()
         tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
-        return sum((await consumer.end_offsets(tps)).values())
+        return sum((await end_offsets(consumer, tps)).values()) if tps else 0
     finally:
         await consumer.stop()
 

@@ -15,6 +15,27 @@ from harnessrl.logs import get_logger
 log = get_logger(__name__)
 
 
+async def end_offsets(consumer: Any, partitions: list[Any]) -> dict[Any, int]:
+    """The end offset (high watermark) of each partition, as fetches report it.
+
+    Assigns `partitions` to `consumer` (a started, group-less AIOKafkaConsumer) and leaves
+    its positions anywhere. ListOffsets alone is not enough: Tansu 0.6 answers it with an
+    end that can lag one record behind concurrent produce requests, while its fetch
+    responses carry the true high watermark; the larger of the two is the end.
+    """
+    listed = await consumer.end_offsets(partitions)
+    consumer.assign(partitions)
+    await consumer.seek_to_beginning(*partitions)
+    marks: dict[Any, int] = {}
+    while len(marks) < len(partitions):
+        await consumer.getmany(*[tp for tp in partitions if tp not in marks], timeout_ms=200)
+        for tp in partitions:
+            mark = consumer.highwater(tp)
+            if mark is not None:
+                marks[tp] = max(mark, listed[tp])
+    return marks
+
+
 async def read_to_end(
     kafka: KafkaSettings, topic: str, *, client_id: str
 ) -> AsyncIterator[tuple[str, Message, Any]]:
@@ -35,9 +56,8 @@ async def read_to_end(
         partitions = [
             TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())
         ]
-        ends = await consumer.end_offsets(partitions)
+        ends = await end_offsets(consumer, partitions)
         todo = {tp for tp in partitions if ends[tp] > 0}
-        consumer.assign(partitions)
         await consumer.seek_to_beginning(*partitions)
         while todo:
             batch = await consumer.getmany(*todo, timeout_ms=1000)
