@@ -100,6 +100,8 @@ class Consumer:
     `run()` returns after `stop()`; `stop()` is idempotent: polling stops, the batch in hand
     finishes, offsets are committed, the Kafka client closes. The producer is the caller's;
     it carries outputs and dead letters and is flushed by its owner after the consumer stops.
+    `co_partitioned=True` assigns partition p of every topic to the same member (the topics
+    must have equal partition counts).
     """
 
     def __init__(
@@ -115,8 +117,10 @@ class Consumer:
         tracer: trace.Tracer | None = None,
         on_assigned: PartitionHook | None = None,
         on_revoked: PartitionHook | None = None,
+        co_partitioned: bool = False,
     ) -> None:
         self.topics = list(topics)
+        self._co_partitioned = co_partitioned
         self.group_id = group_id
         self._kafka = kafka
         self._settings = settings
@@ -287,7 +291,15 @@ class Consumer:
                 await consumer._assigned([(tp.topic, tp.partition) for tp in assigned])
 
         def make() -> Any:
+            extra: dict[str, Any] = {}
+            if self._co_partitioned:
+                # Range assignment gives one member partition p of every topic, so records
+                # keyed alike on several topics (a group's calls, episodes and rewards) meet.
+                from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+
+                extra["partition_assignment_strategy"] = (RangePartitionAssignor,)
             client = AIOKafkaConsumer(
+                **extra,
                 **client_kwargs(self._kafka, f"{self._producer.name}/{self.group_id}"),
                 group_id=self.group_id,
                 enable_auto_commit=False,
