@@ -26,6 +26,7 @@ from pydantic_settings import (
 CONFIG_ENV = "HARNESSRL_CONFIG"
 """Environment variable naming the YAML config file when `--config` is not given."""
 
+KiB = 1024
 MiB = 1024 * 1024
 
 

@@ -16,8 +16,19 @@ from harnessrl.cli.common import CliError
 from harnessrl.services.controller import cli as controller
 from harnessrl.services.gateway import cli as gateway
 from harnessrl.services.inference import cli as inference
+from harnessrl.services.reward import cli as reward
 
-_COMMANDS = (broker, inference, gateway, controller, submit, events_cmd, config_cmd, bench)
+_COMMANDS = (
+    broker,
+    inference,
+    gateway,
+    controller,
+    reward,
+    submit,
+    events_cmd,
+    config_cmd,
+    bench,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ SERVICES = {
     "controller": "harnessrl.services.controller.config:ControllerConfig",
     "gateway": "harnessrl.services.gateway.config:GatewayConfig",
     "inference": "harnessrl.services.inference.config:InferenceConfig",
+    "reward": "harnessrl.services.reward.config:RewardConfig",
 }
 """Service name -> "module:ConfigClass" (imported only when shown)."""
 

@@ -1,0 +1,101 @@
+"""Settings of `harnessrl reward` (section `reward`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from harnessrl.config import KiB, Section, ServiceConfig, ServiceSection
+
+
+class AnswerSettings(Section):
+    """The built-in `answer` reward: the harness's final answer against the expected one."""
+
+    answer_key: str = "answer"
+    """Key of the answer in the harness's result object (a bare string or number result is
+    the answer itself)."""
+    expected_key: str = "answer"
+    """Key of the expected answer in the task metadata."""
+    match: Literal["auto", "exact", "numeric", "text"] = "auto"
+    """exact: strings equal; numeric: numbers within tolerance; text: equal after
+    normalisation (case, whitespace, punctuation, articles); auto: numeric when the expected
+    answer is a number (taking the last number of a free-text answer), else text. A task's
+    metadata "match" overrides it."""
+    rel_tol: float = Field(default=1e-6, ge=0)
+    """Relative tolerance of numeric matching."""
+    abs_tol: float = Field(default=1e-9, ge=0)
+    """Absolute tolerance of numeric matching."""
+
+
+class TestsSettings(Section):
+    """The built-in `tests` reward: apply the harness's patch, run the task's tests."""
+
+    timeout_s: float = Field(default=300.0, gt=0)
+    """Longest a test run may take; then its process group is killed and the score is 0
+    with the flag "timeout". A task's metadata "timeout_s" may lower it, never raise it."""
+    kill_grace_s: float = Field(default=2.0, gt=0)
+    """Between SIGTERM and SIGKILL when a test run is cut."""
+    scoring: Literal["fraction", "all_pass"] = "fraction"
+    """fraction: share of the named tests that pass; all_pass: 1 only when all pass. A
+    task's metadata "scoring" overrides it."""
+    patch_file: str = "patch.diff"
+    """Name of the patch in the episode's artifacts directory."""
+    patch_key: str = "patch"
+    """Key of the patch (unified diff text) in the harness's result, used when the artifacts
+    hold no patch file."""
+    network: Literal["auto", "off", "on"] = "auto"
+    """Network during test runs. off: in a network namespace without interfaces (fails when
+    the machine cannot make one); auto: that where the machine allows it, else on (logged
+    once); on: the host's network."""
+    scratch_dir: Path | None = None
+    """Where the per-episode repository copies are made (default: the system temp dir);
+    each copy is deleted after scoring."""
+    output_cap_bytes: int = Field(default=16 * KiB, ge=1024)
+    """Test output kept (its tail) for the score's message when the run fails."""
+
+
+class RewardSection(ServiceSection):
+    """The reward service: which reward, how many at once, how long each may take."""
+
+    port: int = Field(default=8220, ge=0, le=65535)
+    """Port of /healthz and /metrics (the service has no other API: harnesses cannot reach
+    a reward)."""
+    source: str = "builtin:answer"
+    """The reward: "builtin:answer", "builtin:tests", "entrypoint:<module>:<function>"
+    (sync or async Python function taking an Episode) or "grpc:<host>:<port>" (a remote
+    Reward service, see protos/harnessrl/v1/reward.proto)."""
+    concurrency: int = Field(default=8, ge=1, le=4096)
+    """Most episodes scored at once."""
+    timeout_s: float = Field(default=600.0, gt=0)
+    """Longest one scoring call may take; then the reward is missing ("timeout")."""
+    max_retries: int = Field(default=3, ge=0)
+    """Retries of a call that failed with a transient error (connection, UNAVAILABLE)."""
+    retry_backoff_s: float = Field(default=0.5, gt=0)
+    """First wait between retries; doubles each time, with jitter."""
+    score_non_final: bool = False
+    """Also score attempts the controller will retry (they never feed training)."""
+    grpc_tls: bool = False
+    """Reach a grpc: reward over TLS (system roots) instead of plaintext."""
+    answer: AnswerSettings = AnswerSettings()
+    """Settings of builtin:answer."""
+    tests: TestsSettings = TestsSettings()
+    """Settings of builtin:tests."""
+
+    @field_validator("source")
+    @classmethod
+    def _known_kind(cls, value: str) -> str:
+        kind, _, rest = value.partition(":")
+        if kind not in ("builtin", "entrypoint", "grpc") or not rest:
+            raise ValueError(
+                "must be builtin:<name>, entrypoint:<module>:<function> or grpc:<host>:<port>"
+            )
+        return value
+
+
+class RewardConfig(ServiceConfig):
+    """Settings of the reward service."""
+
+    reward: RewardSection = RewardSection()
+    """The reward service."""

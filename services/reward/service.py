@@ -1,0 +1,230 @@
+"""`harnessrl reward`: EpisodeFinished in, RewardAssigned out, one per (episode, attempt).
+
+Each final EpisodeFinished is scored in its own task (at most `concurrency` at once; the
+consumer waits for a slot, which is the backpressure); its record stays uncommitted until
+the RewardAssigned is acknowledged, so a crash re-delivers exactly the unscored episodes.
+At start the service reads hrl.rewards to learn what is already scored, so a redelivered
+episode is not scored twice. The service has no API beyond /healthz and /metrics: a
+harness has no route to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from harnessrl import events
+from harnessrl.bus import BusMetrics, Consumer, Context, Hold, Producer, Record, ensure_topics
+from harnessrl.bus.snapshot import read_to_end
+from harnessrl.logs import get_logger
+from harnessrl.metrics import Labelled
+from harnessrl.runtime import Runtime
+from harnessrl.services.reward.config import RewardConfig
+from harnessrl.services.reward.episode import Episode
+from harnessrl.services.reward.scoring import CallPolicy, assign
+from harnessrl.services.reward.sources import FunctionScorer, Scorer, make_scorer
+from harnessrl.v1 import events_pb2 as pb
+
+log = get_logger(__name__)
+
+INVALID_EPISODE = "invalid_episode"
+
+Key = tuple[str, int]
+
+
+class RewardMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.assigned = Labelled(
+            Counter(
+                "harnessrl_reward_assigned",
+                "RewardAssigned published, by outcome (scored | missing).",
+                ["outcome"],
+                registry=r,
+            )
+        )
+        self.flags = Labelled(
+            Counter("harnessrl_reward_flags", "Flags raised while scoring.", ["flag"], registry=r)
+        )
+        self.latency = Histogram(
+            "harnessrl_reward_seconds",
+            "Time to score one episode (all tries).",
+            buckets=(0.001, 0.01, 0.1, 0.5, 1, 5, 30, 120, 600),
+            registry=r,
+        )
+        self.value = Histogram(
+            "harnessrl_reward_value",
+            "Reward values assigned (missing ones excluded).",
+            buckets=(-1, -0.5, 0, 0.25, 0.5, 0.75, 1, 2, 10),
+            registry=r,
+        )
+        self.duplicates = Counter(
+            "harnessrl_reward_duplicates",
+            "EpisodeFinished records skipped because the attempt is already scored.",
+            registry=r,
+        )
+        self.in_flight = Gauge("harnessrl_reward_in_flight", "Episodes being scored.", registry=r)
+        self.threads_busy = Gauge(
+            "harnessrl_reward_threads_busy",
+            "Sync reward calls running in threads (more than in_flight: calls that ignored "
+            "their timeout).",
+            registry=r,
+        )
+
+
+class RewardService:
+    def __init__(self, config: RewardConfig, runtime: Runtime) -> None:
+        self._config = config
+        self._runtime = runtime
+        self._scorer: Scorer = make_scorer(config.reward)  # ValueError for a bad source
+        self._policy = CallPolicy(
+            config.reward.timeout_s, config.reward.max_retries, config.reward.retry_backoff_s
+        )
+        self._slots = asyncio.Semaphore(config.reward.concurrency)
+        self._scored: set[Key] = set()
+        self._running: dict[Key, asyncio.Task[None]] = {}
+        self._stopping = asyncio.Event()
+        self._producer: Producer | None = None
+        self._tracer = runtime.tracer_provider.get_tracer("harnessrl.reward")
+        self.metrics = RewardMetrics(runtime.registry)
+        self.ready = asyncio.Event()
+
+    @property
+    def source(self) -> str:
+        return self._scorer.source
+
+    async def run(self) -> None:
+        config, runtime = self._config, self._runtime
+        bus_metrics = BusMetrics(runtime.registry)
+        async with AsyncExitStack() as stack:
+            stack.push_async_callback(self._scorer.close)
+            producer = Producer(
+                config.kafka, config.producer, name=runtime.producer_name, metrics=bus_metrics
+            )
+            await producer.start()
+            stack.push_async_callback(producer.stop)
+            self._producer = producer
+            if config.kafka.create_topics:
+                await ensure_topics(
+                    config.kafka, [events.EPISODES, events.REWARDS], max_attempts=10**6
+                )
+            async for kind, event, _ in read_to_end(
+                config.kafka, events.REWARDS, client_id=f"{runtime.producer_name}/rebuild"
+            ):
+                if kind == "reward_assigned":
+                    self._scored.add((event.episode_id, event.attempt))  # type: ignore[attr-defined]
+            consumer = Consumer(
+                config.kafka,
+                config.consumer,
+                topics=[events.EPISODES],
+                group_id="harnessrl.reward",
+                handler=self._on_record,
+                producer=producer,
+                metrics=bus_metrics,
+                tracer=self._tracer,
+            )
+            task = asyncio.create_task(consumer.run(), name="consume hrl.episodes")
+            stack.push_async_callback(self._drain, consumer, task)
+            self.metrics.in_flight.set_function(lambda: len(self._running))
+            if isinstance(self._scorer, FunctionScorer):
+                scorer = self._scorer
+                self.metrics.threads_busy.set_function(lambda: scorer.running_in_threads)
+            log.info("reward service running", source=self.source, already_scored=len(self._scored))
+            self.ready.set()
+            await self._stopping.wait()
+
+    async def stop(self) -> None:
+        self._stopping.set()
+
+    def health(self) -> dict[str, bool]:
+        return {"producer": self._producer is not None and self._producer.healthy}
+
+    async def _on_record(self, record: Record, ctx: Context) -> None:
+        if record.kind != "episode_finished":
+            return
+        event: pb.EpisodeFinished = record.event  # type: ignore[assignment]
+        if not event.final and not self._config.reward.score_non_final:
+            return
+        key = (event.episode_id, event.attempt)
+        if key in self._scored or key in self._running:
+            self.metrics.duplicates.inc()
+            return
+        await self._slots.acquire()
+        hold = ctx.hold()
+        self._running[key] = asyncio.create_task(
+            self._score(key, event, hold), name=f"score {event.episode_id}/{event.attempt}"
+        )
+
+    async def _score(self, key: Key, event: pb.EpisodeFinished, hold: Hold) -> None:
+        try:
+            with self._tracer.start_as_current_span("reward.score") as span:
+                span.set_attribute("harnessrl.episode_id", event.episode_id)
+                span.set_attribute("harnessrl.attempt", event.attempt)
+                span.set_attribute("harnessrl.reward.source", self.source)
+                assigned = await self._assign(event)
+                span.set_attribute("harnessrl.reward.missing", assigned.missing)
+                if not assigned.missing:
+                    span.set_attribute("harnessrl.reward.value", assigned.value)
+                assert self._producer is not None
+                await self._producer.publish(assigned)
+            self._count(assigned)
+            self._scored.add(key)
+            hold.release()
+        except asyncio.CancelledError:
+            raise  # shutting down: left uncommitted, scored again by the next instance
+        except Exception as err:
+            # Only publishing can fail here (the producer stopped or refused the record):
+            # the record stays uncommitted and is scored again after a restart.
+            log.error("reward not published", episode_id=event.episode_id, error=repr(err))
+        finally:
+            self._running.pop(key, None)
+            self._slots.release()
+
+    async def _assign(self, event: pb.EpisodeFinished) -> pb.RewardAssigned:
+        try:
+            episode = Episode.from_event(event)
+        except ValueError as err:
+            return pb.RewardAssigned(
+                episode_id=event.episode_id,
+                attempt=event.attempt,
+                group_id=event.group_id,
+                flags=[INVALID_EPISODE],
+                source=self.source,
+                missing=True,
+                message=f"cannot score: {err}",
+            )
+        return await assign(self._scorer, episode, self._policy)
+
+    def _count(self, assigned: pb.RewardAssigned) -> None:
+        self.metrics.assigned("missing" if assigned.missing else "scored").inc()
+        for flag in assigned.flags:
+            self.metrics.flags(flag).inc()
+        self.metrics.latency.observe(assigned.latency_ms / 1000)
+        if not assigned.missing:
+            self.metrics.value.observe(assigned.value)
+        log.info(
+            "reward assigned",
+            episode_id=assigned.episode_id,
+            attempt=assigned.attempt,
+            value=assigned.value,
+            missing=assigned.missing,
+            flags=list(assigned.flags),
+            latency_ms=round(assigned.latency_ms, 3),
+            message=assigned.message[:200],
+        )
+
+    async def _drain(self, consumer: Consumer, task: asyncio.Task[None]) -> None:
+        """Stop taking episodes, let the ones being scored finish (half the shutdown budget),
+        then cancel the rest: they are scored again after a restart."""
+        await consumer.stop()
+        await asyncio.gather(task, return_exceptions=True)
+        running = list(self._running.values())
+        if running:
+            _, pending = await asyncio.wait(
+                running, timeout=self._config.reward.shutdown_timeout_s / 2
+            )
+            for leftover in pending:
+                leftover.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)

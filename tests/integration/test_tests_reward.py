@@ -1,0 +1,369 @@
+"""The built-in `tests` reward against real git repositories and real pytest runs.
+
+Each test makes a small repository (a module with a bug, tests that fail on it), a patch
+against it, and scores the patch with `TestsReward` as the reward service would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harnessrl.services.reward import config, patch_tests
+from harnessrl.services.reward.episode import Score
+from harnessrl.services.reward.sandbox import NetworkPolicy
+from tests.helpers import eventually
+from tests.repo_helpers import PYTEST, coding_episode, git, make_repo, patch_for
+
+pytestmark = pytest.mark.integration
+
+CALC = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
+FIXED = CALC.replace("a - b", "a + b")
+TESTS = """from calc import add, mul
+
+
+def test_add():
+    assert add(2, 3) == 5
+
+
+def test_add_zero():
+    assert add(0, 0) == 0
+
+
+def test_mul():
+    assert mul(2, 3) == 6
+"""
+NAMED = [
+    "tests/test_calc.py::test_add",
+    "tests/test_calc.py::test_add_zero",
+    "tests/test_calc.py::test_mul",
+]
+JUNIT_COMMAND = [*PYTEST, "--junitxml={junit_xml}", "tests"]
+DROP = object()
+"""In metadata overrides: remove the field."""
+
+
+@dataclass
+class Project:
+    """A task's repository, and where patches against it are made."""
+
+    repo: Path
+    base: str
+    root: Path
+
+    def patch(self, changes: dict[str, str | None]) -> str:
+        work = self.root / f"work-{len(list(self.root.glob('work-*')))}"
+        return patch_for(self.repo, work, changes)
+
+    def metadata(self, **overrides: Any) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "repo": str(self.repo),
+            "base_commit": self.base,
+            "test_command": JUNIT_COMMAND,
+            "tests": NAMED,
+            "protected_paths": ["tests"],
+        }
+        data.update(overrides)
+        return {k: v for k, v in data.items() if v is not DROP}
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Project:
+    files = {"calc.py": CALC, "tests/test_calc.py": TESTS, "pytest.ini": "[pytest]\n"}
+    repo = tmp_path / "source"
+    return Project(repo, make_repo(repo, files), tmp_path)
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> config.TestsSettings:
+    return config.TestsSettings(scratch_dir=tmp_path / "scratch", kill_grace_s=0.5)
+
+
+async def score(settings: config.TestsSettings, metadata: dict[str, Any], **episode: Any) -> Score:
+    return await patch_tests.TestsReward(settings)(coding_episode(metadata, **episode))
+
+
+async def test_correct_patch_scores_one(project: Project, settings: config.TestsSettings) -> None:
+    patch = project.patch({"calc.py": FIXED})
+    result = await score(settings, project.metadata(), result={"patch": patch})
+    assert result.value == 1.0, result.message
+    assert result.flags == ()
+    assert result.components == {"exit_code": 0.0, "tests_passed": 3.0, "tests_total": 3.0}
+
+
+@pytest.mark.parametrize(
+    ("changes", "touched"),
+    [
+        ({"tests/test_calc.py": TESTS.replace("== 5", "== -1")}, "tests/test_calc.py"),
+        ({"tests/test_calc.py": None, "test_calc.py": TESTS}, "tests/test_calc.py"),
+        ({"tests/conftest.py": "collect_ignore = ['test_calc.py']\n"}, "tests/conftest.py"),
+    ],
+    ids=["edits-a-test", "renames-a-test-away", "adds-a-file-under-tests"],
+)
+async def test_patch_changing_protected_tests_is_flagged_tests_modified(
+    project: Project, settings: config.TestsSettings, changes: dict[str, str | None], touched: str
+) -> None:
+    patch = project.patch(changes)
+    result = await score(settings, project.metadata(), result={"patch": patch})
+    assert (result.value, result.flags) == (0.0, ("tests_modified",))
+    assert touched in result.message
+
+
+@pytest.mark.parametrize("result", [None, {"patch": " \n\t\n"}, {"answer": "done"}])
+async def test_no_patch_is_flagged_empty_patch(
+    project: Project, settings: config.TestsSettings, result: Any
+) -> None:
+    scored = await score(settings, project.metadata(), result=result)
+    assert (scored.value, scored.flags) == (0.0, ("empty_patch",))
+
+
+async def test_fraction_scores_the_share_of_named_tests_passing(
+    project: Project, settings: config.TestsSettings
+) -> None:
+    """Without a JUnit report, pytest's -rA summary lines tell which tests passed."""
+    patch = project.patch({"README.md": "a patch that fixes nothing\n"})
+    metadata = project.metadata(test_command=[*PYTEST, "-rA", "tests"], scoring="fraction")
+    result = await score(settings, metadata, result={"patch": patch})
+    assert result.value == pytest.approx(2 / 3)
+    assert result.flags == ()
+    assert result.components["tests_passed"] == 2.0
+    assert "failed: tests/test_calc.py::test_add" in result.message
+
+
+async def test_all_pass_scores_zero_unless_every_named_test_passes(
+    project: Project, settings: config.TestsSettings
+) -> None:
+    patch = project.patch({"README.md": "a patch that fixes nothing\n"})
+    result = await score(settings, project.metadata(scoring="all_pass"), result={"patch": patch})
+    assert result.value == 0.0
+    assert result.components["tests_passed"] == 2.0
+
+
+async def test_named_test_absent_from_report_is_flagged_tests_missing(
+    project: Project, settings: config.TestsSettings
+) -> None:
+    patch = project.patch({"calc.py": FIXED})
+    named = ["tests/test_calc.py::test_add", "tests/test_calc.py::test_nonexistent"]
+    result = await score(settings, project.metadata(tests=named), result={"patch": patch})
+    assert result.value == 0.5
+    assert result.flags == ("tests_missing",)
+    assert "tests/test_calc.py::test_nonexistent" in result.message
+
+
+async def test_patch_file_in_artifacts_wins_over_result_key(
+    project: Project, settings: config.TestsSettings, tmp_path: Path
+) -> None:
+    artifacts = tmp_path / "artifacts"
+    artifacts.mkdir()
+    (artifacts / "patch.diff").write_text(project.patch({"calc.py": FIXED}))
+    wrong = project.patch({"README.md": "a patch that fixes nothing\n"})
+    command = " ".join(shlex.quote(arg) for arg in PYTEST) + " --junitxml={junit_xml} tests"
+    metadata = project.metadata(test_command=command)  # a string: run with sh -c
+    result = await score(settings, metadata, result={"patch": wrong}, artifacts_dir=artifacts)
+    assert result.value == 1.0, result.message
+
+
+async def test_patch_from_result_key_without_artifacts_file(
+    project: Project, settings: config.TestsSettings, tmp_path: Path
+) -> None:
+    artifacts = tmp_path / "artifacts"
+    artifacts.mkdir()  # holds no patch.diff
+    patch = project.patch({"calc.py": FIXED})
+    result = await score(
+        settings, project.metadata(), result={"patch": patch}, artifacts_dir=artifacts
+    )
+    assert result.value == 1.0, result.message
+
+
+async def test_patch_that_does_not_apply_is_flagged_patch_failed(
+    project: Project, settings: config.TestsSettings
+) -> None:
+    stale = project.patch({"calc.py": FIXED}).replace("-    return a - b", "-    return a - c")
+    result = await score(settings, project.metadata(), result={"patch": stale})
+    assert (result.value, result.flags) == (0.0, ("patch_failed",))
+    assert "git apply" in result.message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"base_commit": DROP}, "task metadata.base_commit: required"),
+        ({"repo": 42}, "task metadata.repo:"),
+        ({"test_command": {"argv": "pytest"}}, "task metadata.test_command:"),
+        ({"tests": "tests/test_calc.py::test_add"}, "task metadata.tests:"),
+        ({"protected_paths": DROP}, "task metadata.protected_paths: required"),
+        ({"protected_paths": ["../elsewhere"]}, "task metadata.protected_paths[0]:"),
+        ({"scoring": "most"}, "task metadata.scoring:"),
+        ({"timeout_s": -1}, "task metadata.timeout_s:"),
+        ({"timeout_s": True}, "task metadata.timeout_s:"),
+        ({"base_commit": "0" * 40}, "task metadata.base_commit:"),
+        ({"repo": "/nonexistent/harnessrl/repo"}, "task metadata.repo:"),
+    ],
+)
+async def test_bad_metadata_raises_naming_the_field(
+    project: Project, settings: config.TestsSettings, overrides: dict[str, Any], field: str
+) -> None:
+    patch = project.patch({"calc.py": FIXED})
+    with pytest.raises(ValueError, match=re.escape(field)):
+        await score(settings, project.metadata(**overrides), result={"patch": patch})
+
+
+def _hanging_project(root: Path, pid_file: Path) -> Project:
+    """A repository whose test starts a child, records both pids, and never ends; both
+    ignore SIGTERM, so only the SIGKILL after the grace ends them."""
+    test = f"""import os, signal, subprocess, sys, time
+
+CHILD = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+
+
+def test_hangs():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", CHILD])
+    with open({str(pid_file) + ".tmp"!r}, "w") as out:
+        out.write(f"{{os.getpid()}} {{child.pid}}")
+    os.replace({str(pid_file) + ".tmp"!r}, {str(pid_file)!r})
+    time.sleep(600)
+"""
+    repo = root / "hanging"
+    base = make_repo(repo, {"tests/test_hang.py": test, "pytest.ini": "[pytest]\n"})
+    return Project(repo, base, root)
+
+
+def _running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie (one waiting to be reaped is dead)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+async def test_hanging_run_is_cut_at_its_timeout_with_its_whole_group(
+    tmp_path: Path, settings: config.TestsSettings
+) -> None:
+    pid_file = tmp_path / "pids"
+    project = _hanging_project(tmp_path, pid_file)
+    patch = project.patch({"README.md": "anything\n"})
+    metadata = project.metadata(tests=[], timeout_s=1.5)
+    result = await score(settings, metadata, result={"patch": patch})
+    assert (result.value, result.flags) == (0.0, ("timeout",))
+    pids = [int(p) for p in pid_file.read_text().split()]
+    await eventually(lambda: not any(_running(pid) for pid in pids), timeout=5)
+
+
+async def test_cancelled_scoring_kills_the_run_and_removes_the_copy(
+    tmp_path: Path, settings: config.TestsSettings
+) -> None:
+    pid_file = tmp_path / "pids"
+    project = _hanging_project(tmp_path, pid_file)
+    patch = project.patch({"README.md": "anything\n"})
+    scoring = asyncio.create_task(
+        score(settings, project.metadata(tests=[]), result={"patch": patch})
+    )
+    await eventually(pid_file.exists, timeout=15)
+    scoring.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await scoring
+    pids = [int(p) for p in pid_file.read_text().split()]
+    await eventually(lambda: not any(_running(pid) for pid in pids), timeout=5)
+    assert settings.scratch_dir is not None
+    assert list(settings.scratch_dir.iterdir()) == []
+
+
+def _netns_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return (
+        subprocess.run(["unshare", "-rn", "true"], check=False, capture_output=True).returncode == 0
+    )
+
+
+async def test_network_off_cannot_reach_a_loopback_server(
+    tmp_path: Path, settings: config.TestsSettings
+) -> None:
+    if not _netns_works():
+        pytest.skip("this machine cannot make a network namespace (unshare -rn true fails)")
+    connections = 0
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        writer.close()
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    connect = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=3).close()"
+    repo = tmp_path / "plain"
+    project = Project(repo, make_repo(repo, {"README.md": "plain\n"}), tmp_path)
+    patch = project.patch({"README.md": "patched\n"})
+    metadata = project.metadata(test_command=[sys.executable, "-c", connect], tests=[])
+    async with server:
+        # Control: with the host's network the same command reaches the server.
+        reached = await score(
+            settings.model_copy(update={"network": "on"}), metadata, result={"patch": patch}
+        )
+        assert (reached.value, connections) == (1.0, 1), reached.message
+        cut_off = await score(
+            settings.model_copy(update={"network": "off"}), metadata, result={"patch": patch}
+        )
+    assert cut_off.value == 0.0
+    assert cut_off.components["exit_code"] != 0.0
+    assert "Connection refused" in cut_off.message, cut_off.message  # not the host's port
+    assert connections == 1
+    # Loopback inside the namespace is up: a suite may serve and connect on localhost.
+    serve_and_connect = (
+        "import socket; s = socket.create_server(('127.0.0.1', 0)); "
+        "socket.create_connection(s.getsockname(), timeout=3).close()"
+    )
+    local = await score(
+        settings.model_copy(update={"network": "off"}),
+        project.metadata(test_command=[sys.executable, "-c", serve_and_connect], tests=[]),
+        result={"patch": patch},
+    )
+    assert local.value == 1.0, local.message
+
+
+async def test_network_auto_falls_back_once_logged_where_off_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no unshare to be found
+    with pytest.raises(RuntimeError, match=re.escape('reward.tests.network: "off"')):
+        await NetworkPolicy("off").prefix()
+    auto = NetworkPolicy("auto")
+    with caplog.at_level(logging.WARNING):
+        assert await auto.prefix() == ()
+        assert await auto.prefix() == ()
+    assert [r.getMessage() for r in caplog.records] == [
+        "test runs will have the host's network: no network namespace here"
+    ]
+
+
+async def test_copy_is_removed_and_source_untouched(
+    project: Project, settings: config.TestsSettings
+) -> None:
+    def snapshot() -> tuple[str, ...]:
+        return (
+            git(project.repo, "status", "--porcelain", "--ignored", "--untracked-files=all"),
+            git(project.repo, "for-each-ref"),
+            git(project.repo, "worktree", "list", "--porcelain"),
+            git(project.repo, "rev-parse", "HEAD"),
+        )
+
+    before = snapshot()
+    patch = project.patch({"calc.py": FIXED})
+    assert (await score(settings, project.metadata(), result={"patch": patch})).value == 1.0
+    with pytest.raises(ValueError, match=re.escape("task metadata.base_commit")):
+        await score(settings, project.metadata(base_commit="v9"), result={"patch": patch})
+    assert settings.scratch_dir is not None
+    assert list(settings.scratch_dir.iterdir()) == []
+    assert snapshot() == before
