@@ -75,3 +75,34 @@ async def read_to_end(
                     todo.discard(tp)
     finally:
         await consumer.stop()
+
+
+async def read_keys(kafka: KafkaSettings, topic: str, *, client_id: str) -> set[str]:
+    """The record keys of `topic` as it is when called (values are not decoded)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(
+        **client_kwargs(kafka, client_id),
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    await consumer.start()
+    keys: set[str] = set()
+    try:
+        await consumer.topics()
+        partitions = [
+            TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())
+        ]
+        ends = await end_offsets(consumer, partitions)
+        todo = {tp for tp in partitions if ends[tp] > 0}
+        await consumer.seek_to_beginning(*partitions)
+        while todo:
+            batch = await consumer.getmany(*todo, timeout_ms=1000)
+            for tp, records in batch.items():
+                keys.update(r.key.decode() for r in records if r.key and r.offset < ends[tp])
+                if records and records[-1].offset >= ends[tp] - 1:
+                    todo.discard(tp)
+    finally:
+        await consumer.stop()
+    return keys

@@ -17,6 +17,7 @@ from harnessrl.services.controller import cli as controller
 from harnessrl.services.gateway import cli as gateway
 from harnessrl.services.inference import cli as inference
 from harnessrl.services.reward import cli as reward
+from harnessrl.services.sample_builder import cli as sample_builder
 
 _COMMANDS = (
     broker,
@@ -24,6 +25,7 @@ _COMMANDS = (
     gateway,
     controller,
     reward,
+    sample_builder,
     submit,
     events_cmd,
     config_cmd,

@@ -108,6 +108,26 @@ def register(commands: Any) -> None:
         "--soak-calls", type=int, default=100_000, help="calls in the memory soak (default 100000)"
     )
     gateway.set_defaults(run=_run_gateway)
+    samples = sub.add_parser(
+        "samples",
+        help="sample builder tokens/s (bytes in -> GroupSamples bytes out) vs np.concatenate",
+        description="Build synthetic groups (episodes of growing agent conversations, as "
+        "serialised events) into GroupSamples through the sample builder's join and build, "
+        "and concatenate the same ids as numpy arrays, alternating, in the same run. Prints "
+        "tokens/s of both and their ratio; the last line is one JSON object.",
+    )
+    samples.add_argument("--json", action="store_true", help="print only the JSON line")
+    samples.add_argument("--groups", type=int, default=20, help="groups per round (default 20)")
+    samples.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="alternating builder/concat rounds; medians reported (default 5)",
+    )
+    samples.add_argument("--episodes", type=int, default=8, help="episodes per group (default 8)")
+    samples.add_argument("--calls", type=int, default=8, help="calls per episode (default 8)")
+    samples.add_argument("--seed", type=int, default=0, help="seed of the groups (default 0)")
+    samples.set_defaults(run=_run_samples)
     parser.set_defaults(run=lambda _: parser.print_help() or 2)
 
 
@@ -133,3 +153,9 @@ def _run_inference(args: argparse.Namespace) -> int:
     from harnessrl.bench import inference
 
     return inference.main(args)
+
+
+def _run_samples(args: argparse.Namespace) -> int:
+    from harnessrl.bench import samples
+
+    return samples.main(args)

@@ -15,6 +15,7 @@ SERVICES = {
     "gateway": "harnessrl.services.gateway.config:GatewayConfig",
     "inference": "harnessrl.services.inference.config:InferenceConfig",
     "reward": "harnessrl.services.reward.config:RewardConfig",
+    "sample-builder": "harnessrl.services.sample_builder.config:SampleBuilderConfig",
 }
 """Service name -> "module:ConfigClass" (imported only when shown)."""
 

@@ -54,3 +54,8 @@ def sync_hang(episode: Episode) -> float:
     if episode.task_metadata.get("behaviour") == "hang":
         time.sleep(5)
     return 1.0
+
+
+def by_index(episode: Episode) -> float:
+    """The episode's index in its group ("<group>-<index>"): distinct rewards per group."""
+    return float(episode.episode_id.rsplit("-", 1)[1])

@@ -1,0 +1,207 @@
+"""A ready (or timed-out) group becomes one GroupSamples, deterministically.
+
+Episodes are taken in group order; each is kept or dropped with a reason (invalid, failed,
+reward missing, flagged, too long, incomplete); the kept ones' calls are merged into
+segments from their recorded token ids, the advantages computed from their rewards, and
+every sample stamped with its episode's advantage. Nothing here reads a clock or a random
+source: the same group always gives the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from harnessrl.services.sample_builder.advantages import advantages
+from harnessrl.services.sample_builder.config import SampleBuilderSection
+from harnessrl.services.sample_builder.group import Episode, Group
+from harnessrl.services.sample_builder.merging import BreakKind, Call, Segment, merge, truncate
+from harnessrl.v1 import events_pb2 as pb
+
+Decode = Callable[[Sequence[int]], str]
+
+
+@dataclass(slots=True)
+class Built:
+    """The outcome of building one group."""
+
+    samples: pb.GroupSamples | None
+    """None when the group is not trained on (see `dropped`)."""
+    dropped: str | None = None
+    """Why the whole group is not trained on: "val", "zero_variance", "too_few_episodes"."""
+    rewards: list[float] = field(default_factory=list)
+    """Rewards of the kept episodes (val groups: of every rewarded episode)."""
+    episodes_dropped: list[pb.DroppedEpisode] = field(default_factory=list)
+    merge: pb.MergeStats = field(default_factory=pb.MergeStats)
+    truncated: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    episode: Episode
+    reward: float
+    segments: list[Segment]
+
+
+def build(group: Group, settings: SampleBuilderSection, decode: Decode | None = None) -> Built:
+    """The samples of `group` from what has arrived (all of it, unless timed out)."""
+    built = Built(samples=None)
+    kept: list[_Kept] = []
+    val = group.mode == pb.MODE_VAL
+    for episode in group.episodes():
+        reason, reward = _verdict(episode, settings)
+        if reason is None and val:
+            built.rewards.append(reward)  # type: ignore[arg-type]  # not None when kept
+            continue
+        if reason is None:
+            assert reward is not None
+            reason = _segments(
+                episode, reward, settings=settings, decode=decode, built=built, kept=kept
+            )
+        if reason is not None:
+            built.episodes_dropped.append(
+                pb.DroppedEpisode(
+                    episode_id=episode.episode_id,
+                    attempt=episode.attempt,
+                    reason=reason,
+                    calls=len(episode.state.calls),
+                )
+            )
+    if val:  # evaluated, never trained on: only its rewards are reported
+        built.dropped = "val"
+        return built
+    built.rewards = [k.reward for k in kept]
+    if len(kept) < settings.min_episodes:
+        built.dropped = "too_few_episodes"
+        return built
+    advantage = advantages(built.rewards, settings.estimator, eps=settings.eps)
+    if advantage is None:
+        built.dropped = "zero_variance"
+        return built
+    built.samples = samples = pb.GroupSamples(
+        group_id=group.group_id,
+        task_id=group.task_id,
+        merge=built.merge,
+        dropped=built.episodes_dropped,
+        estimator=settings.estimator,
+    )
+    for k, value in zip(kept, advantage, strict=True):
+        for index, segment in enumerate(k.segments):
+            _fill(samples.samples.add(), k, index, segment, value)  # in place: no copies
+    return built
+
+
+def _verdict(episode: Episode, settings: SampleBuilderSection) -> tuple[str | None, float | None]:
+    """(reason to drop, None) or (None, the reward to train with)."""
+    state = episode.state
+    waiting = state.missing()
+    if waiting is not None:
+        return f"incomplete:{waiting}", None
+    assert state.finished is not None and state.reward is not None
+    status = state.finished.status
+    if status in (pb.EPISODE_STATUS_INVALID, pb.EPISODE_STATUS_UNSPECIFIED):
+        return "invalid", None
+    if status != pb.EPISODE_STATUS_SUCCEEDED and not settings.keep_failed:
+        return pb.EpisodeStatus.Name(status).removeprefix("EPISODE_STATUS_").lower(), None
+    for flag in state.reward.flags:
+        if flag in settings.drop_flags:
+            return f"flagged:{flag}", None
+    if state.reward.missing:
+        if settings.missing_reward == "drop":
+            return "reward_missing", None
+        return None, settings.fill_value
+    return None, state.reward.value
+
+
+def _segments(
+    episode: Episode,
+    reward: float,
+    *,
+    settings: SampleBuilderSection,
+    decode: Decode | None,
+    built: Built,
+    kept: list[_Kept],
+) -> str | None:
+    """Merge the episode's calls into `kept`; the reason to drop it instead, if any."""
+    calls = [_call(c) for c in episode.calls]
+    if not calls:
+        return "no_calls"
+    try:
+        merged = merge(calls, decode=decode)
+    except ValueError as err:
+        return f"bad_calls:{err}"[:200]
+    segments = []
+    for whole in merged.segments:
+        segment = whole
+        if len(whole.token_ids) > settings.max_tokens:
+            if settings.too_long == "drop":
+                return "too_long"
+            segment = truncate(whole, settings.max_tokens)
+            built.truncated += 1
+        segments.append(segment)
+    stats = built.merge
+    stats.calls += len(calls)
+    stats.segments += len(segments)
+    stats.break_chat_template += merged.breaks.get(BreakKind.CHAT_TEMPLATE, 0)
+    stats.break_retokenization += merged.breaks.get(BreakKind.RETOKENIZATION, 0)
+    stats.break_other += merged.breaks.get(BreakKind.OTHER, 0)
+    stats.duplicates_replaced += merged.duplicates_replaced
+    kept.append(_Kept(episode, reward, segments))
+    return None
+
+
+def _call(call: pb.ModelCall) -> Call:
+    return Call(
+        seq=call.seq,
+        prompt_ids=np.array(call.prompt_token_ids, dtype=np.uint32),
+        completion_ids=np.array(call.completion_token_ids, dtype=np.uint32),
+        logprobs=np.array(call.completion_logprobs, dtype=np.float32),
+        policy_version=call.policy_version,
+        temperature=call.temperature,
+        span_id=call.span_id,
+    )
+
+
+def _fill(sample: pb.Sample, kept: _Kept, index: int, segment: Segment, advantage: float) -> None:
+    episode = kept.episode
+    sample.sample_id = f"{episode.episode_id}/{episode.attempt}/{index}"
+    sample.episode_id = episode.episode_id
+    sample.attempt = episode.attempt
+    sample.segment_index = index
+    sample.token_ids.extend(segment.token_ids.tolist())
+    # Packed bools and floats are their little-endian bytes on the wire: merging them in as
+    # bytes is ~50x faster than going through Python lists, and parses to the same message.
+    sample.MergeFromString(
+        _packed(_LOSS_MASK, segment.loss_mask.view(np.uint8).tobytes())
+        + _packed(_LOGPROBS, segment.logprobs.astype("<f4", copy=False).tobytes())
+    )
+    sample.advantage = advantage
+    sample.reward = kept.reward
+    sample.policy_version_min = segment.policy_version_min
+    sample.policy_version_max = segment.policy_version_max
+    sample.truncated = segment.truncated
+    sample.call_seqs.extend(segment.call_seqs)
+    sample.temperature = segment.temperature
+    sample.call_span_ids.extend(segment.span_ids)
+
+
+_LOSS_MASK = pb.Sample.DESCRIPTOR.fields_by_name["loss_mask"].number
+_LOGPROBS = pb.Sample.DESCRIPTOR.fields_by_name["behavior_logprobs"].number
+
+
+def _packed(field: int, payload: bytes) -> bytes:
+    """A packed repeated field on the wire: tag (length-delimited), length, payload."""
+    if not payload:
+        return b""
+    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)

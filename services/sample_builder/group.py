@@ -1,0 +1,134 @@
+"""The join: one group's calls, closes, episodes and rewards, gathered from three topics.
+
+Events arrive late, twice, or out of order (three topics, redelivery after restarts); `add`
+is idempotent and order-free. A group is ready when its size is known and every episode's
+final attempt is finished, closed with all `call_count` calls present, and rewarded.
+Calls of attempts the controller retried are let go as soon as that is known.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from harnessrl.v1 import events_pb2 as pb
+
+Key = tuple[str, int]  # (episode id, attempt)
+
+
+@dataclass(slots=True)
+class Attempt:
+    calls: dict[int, pb.ModelCall] = field(default_factory=dict)
+    call_count: int | None = None
+    """From EpisodeClosed; None until the gateway closed the attempt."""
+    finished: pb.EpisodeFinished | None = None
+    reward: pb.RewardAssigned | None = None
+
+    def missing(self) -> str | None:
+        """What this attempt still waits for ("finished", "closed", "calls", "reward")."""
+        if self.finished is None:
+            return "finished"
+        if self.call_count is None:
+            return "closed"
+        if sum(1 for seq in self.calls if seq < self.call_count) < self.call_count:
+            return "calls"
+        if self.reward is None:
+            return "reward"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Episode:
+    """An episode's final attempt, as far as it has arrived."""
+
+    episode_id: str
+    attempt: int
+    index: int
+    state: Attempt
+
+    @property
+    def calls(self) -> list[pb.ModelCall]:
+        """Calls with seq below call_count, in seq order."""
+        limit = self.state.call_count if self.state.call_count is not None else 1 << 32
+        return [self.state.calls[s] for s in sorted(self.state.calls) if s < limit]
+
+
+class Group:
+    """What has arrived of one group. `first_seen` is in the caller's clock (seconds)."""
+
+    def __init__(self, group_id: str, first_seen: float) -> None:
+        self.group_id = group_id
+        self.first_seen = first_seen
+        self.task_id = ""
+        self.size: int | None = None
+        self.mode: int = pb.MODE_UNSPECIFIED
+        self._index: dict[str, int] = {}
+        self._attempts: dict[Key, Attempt] = {}
+        self._final: dict[str, int] = {}
+        self._retried: set[Key] = set()
+
+    def add(self, kind: str, event: object) -> None:
+        """Take one event of the group (any order, any number of times)."""
+        if kind == "episode_started":
+            self._started(event)  # type: ignore[arg-type]
+            return
+        key = (event.episode_id, event.attempt)  # type: ignore[attr-defined]
+        if key in self._retried:
+            return
+        attempt = self._attempts.setdefault(key, Attempt())
+        if kind == "model_call":
+            call: pb.ModelCall = event  # type: ignore[assignment]
+            attempt.calls.setdefault(call.seq, call)
+        elif kind == "episode_closed":
+            attempt.call_count = event.call_count  # type: ignore[attr-defined]
+        elif kind == "episode_finished":
+            self._finished(key, attempt, event)  # type: ignore[arg-type]
+        elif kind == "reward_assigned":
+            attempt.reward = event  # type: ignore[assignment]
+
+    def _started(self, event: pb.EpisodeStarted) -> None:
+        self.size = event.group_size or self.size
+        self.task_id = event.task_id or self.task_id
+        self.mode = event.mode or self.mode
+        self._index[event.episode_id] = event.index
+
+    def _finished(self, key: Key, attempt: Attempt, event: pb.EpisodeFinished) -> None:
+        attempt.finished = event
+        self.task_id = event.task_id or self.task_id
+        self.mode = event.mode or self.mode
+        if event.final:
+            self._final[event.episode_id] = event.attempt
+        else:  # retried: its calls never feed training
+            self._retried.add(key)
+            del self._attempts[key]
+
+    @property
+    def ready(self) -> bool:
+        return (
+            self.size is not None
+            and len(self._final) >= self.size
+            and all(e.state.missing() is None for e in self.episodes())
+        )
+
+    def episodes(self) -> list[Episode]:
+        """Final attempts known so far, ordered by their index in the group."""
+        out = [
+            Episode(episode_id, attempt, self._index.get(episode_id, 1 << 32), self._state(key))
+            for episode_id, attempt in self._final.items()
+            for key in [(episode_id, attempt)]
+        ]
+        return sorted(out, key=lambda e: (e.index, e.episode_id))
+
+    def _state(self, key: Key) -> Attempt:
+        return self._attempts.setdefault(key, Attempt())
+
+    def missing(self) -> Iterator[str]:
+        """Why the group is not ready, for logs and the timeout path."""
+        if self.size is None:
+            yield "size"
+        elif len(self._final) < self.size:
+            yield f"finished:{len(self._final)}/{self.size}"
+        for episode in self.episodes():
+            what = episode.state.missing()
+            if what:
+                yield f"{episode.episode_id}:{what}"

@@ -1,0 +1,223 @@
+"""`harnessrl sample-builder`: calls, episodes and rewards in, one GroupSamples per group out.
+
+The three input topics are keyed by group id and consumed co-partitioned, so one instance
+sees everything about a group. Every record of an open group is held (its offset not
+committed) until the group's samples are acknowledged, or the group is dropped: a restart
+re-delivers exactly the groups still open, and the join state is rebuilt from them. Groups
+already emitted are read from hrl.samples' keys at start, so late or re-delivered events of
+a finished group are ignored rather than built twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry.trace import Link, SpanContext, TraceFlags
+
+from harnessrl import events
+from harnessrl.bus import BusMetrics, Consumer, Context, Hold, Producer, Record, ensure_topics
+from harnessrl.bus.snapshot import read_keys
+from harnessrl.logs import get_logger
+from harnessrl.runtime import Runtime
+from harnessrl.services.sample_builder.building import Built, Decode, build
+from harnessrl.services.sample_builder.config import SampleBuilderConfig
+from harnessrl.services.sample_builder.group import Group
+from harnessrl.services.sample_builder.metrics import SampleMetrics
+
+log = get_logger(__name__)
+
+KINDS = frozenset(
+    {"model_call", "episode_closed", "episode_started", "episode_finished", "reward_assigned"}
+)
+GROUP = "harnessrl.sample-builder"
+
+
+class SampleBuilderService:
+    def __init__(self, config: SampleBuilderConfig, runtime: Runtime) -> None:
+        self._config = config
+        self._settings = config.sample_builder
+        self._runtime = runtime
+        self._groups: dict[str, Group] = {}
+        self._holds: dict[str, list[Hold]] = {}
+        self._partition: dict[str, int] = {}
+        self._done: set[str] = set()
+        self._decode: Decode | None = None
+        self._producer: Producer | None = None
+        self._stopping = asyncio.Event()
+        self._tracer = runtime.tracer_provider.get_tracer("harnessrl.sample_builder")
+        self.metrics = SampleMetrics(runtime.registry)
+        self.ready = asyncio.Event()
+
+    async def run(self) -> None:
+        config, runtime = self._config, self._runtime
+        bus_metrics = BusMetrics(runtime.registry)
+        async with AsyncExitStack() as stack:
+            producer = Producer(
+                config.kafka, config.producer, name=runtime.producer_name, metrics=bus_metrics
+            )
+            await producer.start()
+            stack.push_async_callback(producer.stop)
+            self._producer = producer
+            topics = [events.CALLS, events.EPISODES, events.REWARDS]
+            if config.kafka.create_topics:
+                await ensure_topics(config.kafka, [*topics, events.SAMPLES], max_attempts=10**6)
+            self._done = await read_keys(
+                config.kafka, events.SAMPLES, client_id=f"{runtime.producer_name}/rebuild"
+            )
+            if self._settings.tokenizer is not None:
+                self._decode = await asyncio.to_thread(_decoder, str(self._settings.tokenizer))
+            consumer = Consumer(
+                config.kafka,
+                config.consumer,
+                topics=topics,
+                group_id=GROUP,
+                handler=self._on_record,
+                producer=producer,
+                metrics=bus_metrics,
+                tracer=self._tracer,
+                on_revoked=self._revoked,
+                co_partitioned=True,
+            )
+            task = asyncio.create_task(consumer.run(), name="consume calls/episodes/rewards")
+            stack.push_async_callback(_stopper(consumer, task))
+            sweeper = asyncio.create_task(self._sweep(), name="group timeouts")
+            stack.callback(sweeper.cancel)
+            self.metrics.open_groups.set_function(lambda: len(self._groups))
+            log.info(
+                "sample builder running",
+                estimator=self._settings.estimator,
+                groups_done=len(self._done),
+                classify_retokenization=self._decode is not None,
+            )
+            self.ready.set()
+            await self._stopping.wait()
+
+    async def stop(self) -> None:
+        self._stopping.set()
+
+    def health(self) -> dict[str, bool]:
+        return {"producer": self._producer is not None and self._producer.healthy}
+
+    async def _on_record(self, record: Record, ctx: Context) -> None:
+        if record.kind not in KINDS:
+            return
+        group_id: str = record.event.group_id  # type: ignore[attr-defined]
+        if group_id in self._done:
+            return  # late or re-delivered: the group is built already
+        group = self._groups.get(group_id)
+        if group is None:
+            group = self._groups[group_id] = Group(group_id, time.monotonic())
+            self._holds[group_id] = []
+            self._partition[group_id] = record.partition
+        group.add(record.kind, record.event)
+        self._holds[group_id].append(ctx.hold())
+        if group.ready:
+            self._emit(group_id, timed_out=False)
+
+    def _emit(self, group_id: str, *, timed_out: bool) -> None:
+        """Build the group, publish its samples, release its records once acknowledged."""
+        group = self._groups.pop(group_id)
+        holds = self._holds.pop(group_id)
+        self._partition.pop(group_id, None)
+        self._done.add(group_id)
+        started = time.perf_counter()
+        with self._tracer.start_as_current_span(
+            "samples.group", context=otel_context.Context(), links=_links(group)
+        ) as span:
+            built = build(group, self._settings, self._decode)
+            span.set_attribute("harnessrl.group_id", group_id)
+            span.set_attribute("harnessrl.samples.outcome", built.dropped or "emitted")
+            if built.samples is not None:
+                ids = span.get_span_context()
+                built.samples.span_id = f"{ids.span_id:016x}"
+                built.samples.trace_id = f"{ids.trace_id:032x}"
+        self.metrics.observe(built, group.mode, timed_out, time.perf_counter() - started)
+        log.info(
+            "group built",
+            group_id=group_id,
+            outcome=built.dropped or "emitted",
+            timed_out=timed_out,
+            samples=len(built.samples.samples) if built.samples else 0,
+            episodes_dropped=[f"{d.episode_id}:{d.reason}" for d in built.episodes_dropped],
+        )
+        if built.samples is None:
+            _release(holds)
+            return
+        assert self._producer is not None
+        delivery = self._producer.publish(built.samples)
+        delivery.add_done_callback(lambda f: self._published(f, group_id, holds, built))
+
+    def _published(
+        self, delivery: asyncio.Future[Any], group_id: str, holds: list[Hold], built: Built
+    ) -> None:
+        if delivery.cancelled():
+            return  # shutting down: left uncommitted, built again after the restart
+        error = delivery.exception()
+        if error is not None:
+            # Refused for good (e.g. larger than the broker takes): counted, and let go so
+            # the partition moves on.
+            self.metrics.groups("publish_refused").inc()
+            log.error("group samples refused", group_id=group_id, error=repr(error))
+        _release(holds)
+
+    async def _sweep(self) -> None:
+        settings = self._settings
+        while True:
+            await asyncio.sleep(settings.sweep_interval_s)
+            now = time.monotonic()
+            for group_id, group in list(self._groups.items()):
+                if now - group.first_seen > settings.group_timeout_s:
+                    log.warning(
+                        "group timed out", group_id=group_id, waiting_for=list(group.missing())
+                    )
+                    self._emit(group_id, timed_out=True)
+
+    async def _revoked(self, partitions: list[tuple[str, int]]) -> None:
+        # Another instance owns these groups now; it rebuilds them from the held records.
+        lost = {p for _, p in partitions}
+        for group_id in [g for g, p in self._partition.items() if p in lost]:
+            self._groups.pop(group_id, None)
+            self._holds.pop(group_id, None)
+            self._partition.pop(group_id, None)
+
+
+def _links(group: Group) -> Sequence[Link]:
+    links = []
+    for episode in group.episodes():
+        for call in episode.state.calls.values():
+            try:
+                trace_id, span_id = int(call.trace_id, 16), int(call.span_id, 16)
+            except ValueError:
+                continue
+            context = SpanContext(trace_id, span_id, True, TraceFlags(TraceFlags.SAMPLED))
+            links.append(Link(context, {"harnessrl.seq": call.seq}))
+    return links
+
+
+def _release(holds: list[Hold]) -> None:
+    for hold in holds:
+        hold.release()
+
+
+def _decoder(path: str) -> Decode:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def decode(ids: Sequence[int]) -> str:
+        return str(tokenizer.decode(list(ids), skip_special_tokens=False))
+
+    return decode
+
+
+def _stopper(consumer: Consumer, task: asyncio.Task[None]) -> Any:
+    async def stop() -> None:
+        await consumer.stop()
+        await asyncio.gather(task, return_exceptions=True)
+
+    return stop
