@@ -18,6 +18,7 @@ from harnessrl.services.gateway import cli as gateway
 from harnessrl.services.inference import cli as inference
 from harnessrl.services.reward import cli as reward
 from harnessrl.services.sample_builder import cli as sample_builder
+from harnessrl.services.trainer import cli as trainer
 
 _COMMANDS = (
     broker,
@@ -26,6 +27,7 @@ _COMMANDS = (
     controller,
     reward,
     sample_builder,
+    trainer,
     submit,
     events_cmd,
     config_cmd,

@@ -128,6 +128,58 @@ def register(commands: Any) -> None:
     samples.add_argument("--calls", type=int, default=8, help="calls per episode (default 8)")
     samples.add_argument("--seed", type=int, default=0, help="seed of the groups (default 0)")
     samples.set_defaults(run=_run_samples)
+    trainer = sub.add_parser(
+        "trainer",
+        help="trainer optimiser-step time vs a bare PyTorch loop, same batches and model",
+        description="Train two copies of the same model on the same seeded batches, "
+        "alternating: one through the trainer's Policy.step (weights, packing, clipped loss, "
+        "stats, clipping, AdamW), one through a bare forward/log_softmax/backward/AdamW loop "
+        "over the same micro-batches. Prints step seconds, their ratio, tokens/s (and MFU on "
+        "CUDA); the last line is one JSON object.",
+    )
+    trainer.add_argument("--json", action="store_true", help="print only the JSON line")
+    trainer.add_argument(
+        "--model-size",
+        choices=("tiny", "0.5b"),
+        default="tiny",
+        help="tiny: --model (default); 0.5b: a random Qwen2.5-0.5B-shaped model (CUDA only)",
+    )
+    trainer.add_argument(
+        "--model",
+        type=Path,
+        default=Path("examples/tiny-model"),
+        help="model directory under --model-size tiny (default examples/tiny-model)",
+    )
+    trainer.add_argument(
+        "--batches",
+        type=int,
+        default=6,
+        help="batches; the first is a warm-up, medians of the rest (default 6)",
+    )
+    trainer.add_argument("--samples", type=int, default=16, help="samples per batch (default 16)")
+    trainer.add_argument(
+        "--min-len", type=int, default=None, help="shortest sample (default 64; 0.5b: 256)"
+    )
+    trainer.add_argument(
+        "--max-len", type=int, default=None, help="longest sample (default 256; 0.5b: 1024)"
+    )
+    trainer.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        help="padded tokens per micro-batch (default 2048; 0.5b: 16384)",
+    )
+    trainer.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="default auto"
+    )
+    trainer.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=989.0,
+        help="accelerator peak TFLOPs for MFU (default 989: H100/H200 bf16 dense)",
+    )
+    trainer.add_argument("--seed", type=int, default=0, help="seed of the batches (default 0)")
+    trainer.set_defaults(run=_run_trainer)
     parser.set_defaults(run=lambda _: parser.print_help() or 2)
 
 
@@ -159,3 +211,9 @@ def _run_samples(args: argparse.Namespace) -> int:
     from harnessrl.bench import samples
 
     return samples.main(args)
+
+
+def _run_trainer(args: argparse.Namespace) -> int:
+    from harnessrl.bench import trainer
+
+    return trainer.main(args)

@@ -16,6 +16,7 @@ SERVICES = {
     "inference": "harnessrl.services.inference.config:InferenceConfig",
     "reward": "harnessrl.services.reward.config:RewardConfig",
     "sample-builder": "harnessrl.services.sample_builder.config:SampleBuilderConfig",
+    "trainer": "harnessrl.services.trainer.config:TrainerConfig",
 }
 """Service name -> "module:ConfigClass" (imported only when shown)."""
 

@@ -1,0 +1,81 @@
+"""Groups in, batches out: what the next optimiser step trains on.
+
+GroupSamples arrive one record per group. A sample already trained on (a re-delivery after
+a restart) is skipped; a sample whose oldest call is more than `max_staleness` versions
+behind the current policy is dropped (counted). A batch is due once `batch_groups` groups
+(or `batch_tokens` tokens) are pending; it is taken whole, in arrival order.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Set
+from dataclasses import dataclass, field
+
+from harnessrl.services.trainer.packing import SampleArrays
+from harnessrl.v1 import events_pb2 as pb
+
+
+@dataclass(slots=True)
+class Batch:
+    samples: list[SampleArrays] = field(default_factory=list)
+    groups: list[pb.GroupSamples] = field(default_factory=list)
+    """The groups as received (their span ids link the step's span to them)."""
+    tokens: int = 0
+
+
+class Batcher:
+    def __init__(self, *, batch_groups: int, batch_tokens: int | None, max_staleness: int) -> None:
+        self._batch_groups = batch_groups
+        self._batch_tokens = batch_tokens
+        self._max_staleness = max_staleness
+        self._pending: list[Batch] = []
+        """One entry per pending group, in arrival order."""
+        self.dropped: Counter[str] = Counter()
+        """Samples not trained on, by reason ("stale", "trained")."""
+
+    def add(self, group: pb.GroupSamples, *, version: int, trained: Set[str]) -> bool:
+        """Take a group's samples (idempotent per sample id) at current policy `version`;
+        True when any was taken."""
+        entry = Batch(groups=[group])
+        pending = self.pending_ids()
+        for sample in group.samples:
+            if sample.sample_id in trained or sample.sample_id in pending:
+                self.dropped["trained"] += 1
+                continue
+            if version - sample.policy_version_min > self._max_staleness:
+                self.dropped["stale"] += 1
+                continue
+            arrays = SampleArrays.from_proto(sample)
+            entry.samples.append(arrays)
+            entry.tokens += len(arrays.token_ids)
+        if entry.samples:
+            self._pending.append(entry)
+        return bool(entry.samples)
+
+    def pending_ids(self) -> set[str]:
+        return {s.sample_id for entry in self._pending for s in entry.samples}
+
+    @property
+    def pending_groups(self) -> int:
+        return len(self._pending)
+
+    @property
+    def due(self) -> bool:
+        if len(self._pending) >= self._batch_groups:
+            return True
+        tokens = sum(entry.tokens for entry in self._pending)
+        return self._batch_tokens is not None and tokens >= self._batch_tokens and tokens > 0
+
+    def take(self) -> Batch:
+        """The next batch: the oldest `batch_groups` groups, or fewer once `batch_tokens`
+        tokens are reached."""
+        batch = Batch()
+        while self._pending and len(batch.groups) < self._batch_groups:
+            if self._batch_tokens is not None and batch.tokens >= self._batch_tokens:
+                break
+            entry = self._pending.pop(0)
+            batch.samples.extend(entry.samples)
+            batch.groups.extend(entry.groups)
+            batch.tokens += entry.tokens
+        return batch

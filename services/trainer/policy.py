@@ -1,0 +1,190 @@
+"""The model being trained and its optimiser step: one readable loop.
+
+    policy = Policy.load(settings, world)
+    stats = policy.step(batch.samples)       # every rank, the same samples
+
+A step computes the normalization weights over the whole batch, packs it into
+micro-batches, runs this rank's share of them forward and backward (gradients accumulate),
+sums gradients across ranks, clips, and takes one AdamW step. The weights stay float32;
+on CUDA the forward runs under bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from harnessrl.logs import get_logger
+from harnessrl.services.trainer.config import TrainerSection
+from harnessrl.services.trainer.distributed import World
+from harnessrl.services.trainer.loss import (
+    LossSettings,
+    LossStats,
+    entropy_from_logits,
+    logprobs_from_logits,
+    policy_loss,
+    token_logprobs,
+)
+from harnessrl.services.trainer.packing import (
+    SampleArrays,
+    normalization_weights,
+    pack,
+    padding_fraction,
+)
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    loss: float
+    clip_fraction: float
+    dual_clip_fraction: float
+    kl: float
+    entropy: float
+    mismatch: float
+    """Mean |current - behaviour log-prob| per trained token: the train-inference mismatch
+    on a first pass (0 up to numerical noise when trainer and engine agree)."""
+    grad_norm: float
+    lr: float
+    tokens: int
+    """Trained (loss-mask) tokens of the batch."""
+    sequence_tokens: int
+    """All tokens of the batch's sequences."""
+    samples: int
+    padding: float
+    seconds: float
+
+
+class Policy:
+    def __init__(
+        self,
+        settings: TrainerSection,
+        model: torch.nn.Module,
+        world: World,
+        device: torch.device,
+        reference: torch.nn.Module | None = None,
+    ) -> None:
+        self.settings = settings
+        self.model = model
+        self.world = world
+        self.device = device
+        self.reference = reference
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=settings.lr,
+            betas=settings.betas,
+            weight_decay=settings.weight_decay,
+        )
+        warmup = settings.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
+        loss = settings.loss
+        self.loss_settings = LossSettings(
+            clip_low=loss.clip_low,
+            clip_high=loss.clip_high,
+            ratio_cap=loss.ratio_cap,
+            kl_coef=loss.kl_coef,
+        )
+
+    @classmethod
+    def load(cls, settings: TrainerSection, world: World | None = None) -> Policy:
+        """The initial policy from `settings.model` (resume from a checkpoint separately)."""
+        from transformers import AutoModelForCausalLM
+
+        device = device_for(settings.device)
+        world = world or World.from_env(device)
+        seed_everything(settings.seed)
+        loaded = AutoModelForCausalLM.from_pretrained(settings.model, dtype=torch.float32)
+        if settings.gradient_checkpointing:
+            loaded.gradient_checkpointing_enable()  # type: ignore[no-untyped-call]
+        model: torch.nn.Module = loaded
+        model.to(device)
+        model.train()
+        reference: torch.nn.Module | None = None
+        if settings.loss.kl_coef > 0:
+            frozen: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+                settings.reference_model or settings.model, dtype=torch.float32
+            )
+            reference = frozen.to(device)
+            reference.eval().requires_grad_(False)
+        return cls(settings, model, world, device, reference)
+
+    def step(self, samples: list[SampleArrays]) -> StepStats:
+        """One optimiser step on `samples` (the whole batch; every rank passes the same)."""
+        started = time.perf_counter()
+        settings = self.settings
+        weights = normalization_weights(
+            samples,
+            settings.loss.normalization,
+            constant_tokens=settings.loss.constant_tokens,
+        )
+        batches = pack(samples, weights, micro_batch_tokens=settings.micro_batch_tokens)
+        stats = LossStats()
+        self.optimizer.zero_grad(set_to_none=True)
+        for share in batches[self.world.rank :: self.world.size]:
+            batch = share.to(self.device)
+            with self._autocast():
+                logits = self.model(
+                    input_ids=batch.input_ids, attention_mask=batch.attention_mask
+                ).logits  # [B, T, V]
+            logp = logprobs_from_logits(logits, batch)  # [B, T]
+            entropy = entropy_from_logits(logits.detach(), batch)  # [B, T]
+            ref = None
+            if self.reference is not None:
+                with torch.no_grad(), self._autocast():
+                    ref = token_logprobs(self.reference, batch)  # [B, T]
+            loss, micro = policy_loss(logp, batch, self.loss_settings, ref, entropy)
+            loss.backward()  # type: ignore[no-untyped-call]
+            stats.add(micro)
+            del logits, logp, loss
+        self.world.sum_gradients(self.model.parameters())
+        stats = LossStats.from_tensor(self.world.sum(stats.as_tensor().to(self.device)))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), settings.grad_clip)
+        lr = float(self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        summary = stats.as_dict()
+        return StepStats(
+            loss=summary["loss"],
+            clip_fraction=summary["clip_fraction"],
+            dual_clip_fraction=summary["dual_clip_fraction"],
+            kl=summary["kl"],
+            entropy=summary["mean_entropy"],
+            mismatch=summary["mean_abs_logprob_diff"],
+            grad_norm=float(grad_norm),
+            lr=lr,
+            tokens=int(summary["tokens"]),
+            sequence_tokens=sum(len(s.token_ids) for s in samples),
+            samples=len(samples),
+            padding=padding_fraction(batches),
+            seconds=time.perf_counter() - started,
+        )
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def _autocast(self) -> Any:
+        dtype = self.settings.dtype
+        if dtype == "bfloat16" or (dtype == "auto" and self.device.type == "cuda"):
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+def device_for(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)  # libraries below draw from numpy's global state
+    torch.manual_seed(seed)

@@ -1,0 +1,324 @@
+"""`harnessrl trainer`: GroupSamples in, policy versions out.
+
+Groups accumulate into batches (batching.py); each batch is one optimiser step
+(policy.py) run in a worker thread, so the event loop keeps the Kafka session and the
+WeightSync server alive. After a step the new weights are served over WeightSync and
+announced as PolicyVersion; in sync mode the gateways are paused around the swap until the
+engines report PolicyLoaded. A GroupSamples record stays uncommitted until a checkpoint
+holds the step that trained it: a crash resumes from the newest checkpoint, the records
+after it are re-delivered, and the sample ids stored in the checkpoint are skipped — no
+sample is trained twice, none is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+from typing import Any
+
+from opentelemetry.trace import Link, SpanContext, TraceFlags
+
+from harnessrl import events
+from harnessrl.bus import BusMetrics, Consumer, Context, Hold, Producer, Record, ensure_topics
+from harnessrl.bus.snapshot import read_to_end
+from harnessrl.logs import get_logger
+from harnessrl.runtime import Runtime
+from harnessrl.services.trainer.batching import Batch, Batcher
+from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
+from harnessrl.services.trainer.config import TrainerConfig
+from harnessrl.services.trainer.distributed import World
+from harnessrl.services.trainer.metrics import TrainerMetrics
+from harnessrl.services.trainer.policy import Policy, StepStats
+from harnessrl.services.trainer.swap import EngineWatch
+from harnessrl.v1 import events_pb2 as pb
+from harnessrl.weights import WeightSyncServer
+
+log = get_logger(__name__)
+
+GROUP = "harnessrl.trainer"
+
+
+class TrainerService:
+    def __init__(self, config: TrainerConfig, runtime: Runtime, world: World | None = None) -> None:
+        self._config = config
+        self._settings = config.trainer
+        self._runtime = runtime
+        self._world = world or World()
+        self._policy: Policy | None = None
+        self._checkpoints = Checkpoints(
+            self._settings.checkpoint_dir, keep=self._settings.keep_checkpoints
+        )
+        self._batcher = Batcher(
+            batch_groups=self._settings.batch_groups,
+            batch_tokens=self._settings.batch_tokens,
+            max_staleness=self._settings.max_staleness,
+        )
+        self._trained: set[str] = set()
+        self._holds: dict[str, list[Hold]] = {}
+        """Records of pending groups, by group id: released only by a checkpoint."""
+        self._unsaved: list[Hold] = []
+        """Records trained on since the last checkpoint."""
+        self._unsaved_ids: set[str] = set()
+        """Sample ids trained on since the last checkpoint."""
+        self._offsets: dict[str, int] = {}
+        self.step = 0
+        self.version = 0
+        self._tokenizer: Any = None
+        self._due = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._stopping = asyncio.Event()
+        self._producer: Producer | None = None
+        self._tracer = runtime.tracer_provider.get_tracer("harnessrl.trainer")
+        self.metrics = TrainerMetrics(runtime.registry)
+        self.ready = asyncio.Event()
+        self.finished = asyncio.Event()
+        """Set once max_steps are taken (and checkpointed)."""
+
+    async def run(self) -> None:
+        config, settings, runtime = self._config, self._settings, self._runtime
+        bus_metrics = BusMetrics(runtime.registry)
+        async with AsyncExitStack() as stack:
+            producer = Producer(
+                config.kafka, config.producer, name=runtime.producer_name, metrics=bus_metrics
+            )
+            await producer.start()
+            stack.push_async_callback(producer.stop)
+            self._producer = producer
+            if config.kafka.create_topics:
+                await ensure_topics(
+                    config.kafka, [events.SAMPLES, events.POLICY], max_attempts=10**6
+                )
+            self._policy = await asyncio.to_thread(self._load)
+            await self._skip_lost_versions()
+            server = WeightSyncServer(settings.weightsync)
+            await server.start()
+            stack.push_async_callback(server.stop)
+            engines = EngineWatch(config, producer, runtime, expected=settings.engines)
+            await engines.start()
+            stack.push_async_callback(engines.stop)
+            await self._announce(server, checkpoint="")
+            consumer = Consumer(
+                config.kafka,
+                config.consumer,
+                topics=[events.SAMPLES],
+                group_id=GROUP,
+                handler=self._on_record,
+                producer=producer,
+                metrics=bus_metrics,
+                tracer=self._tracer,
+            )
+            consuming = asyncio.create_task(consumer.run(), name="consume hrl.samples")
+            stack.push_async_callback(_stopper(consumer, consuming))
+            training = asyncio.create_task(self._train(server, engines), name="train")
+            stack.push_async_callback(self._finish, training)
+            log.info(
+                "trainer running",
+                step=self.step,
+                version=self.version,
+                weightsync=self._address(server),
+                world=self._world.size,
+                device=str(self._policy.device),
+            )
+            self.ready.set()
+            await self._stopping.wait()
+
+    async def stop(self) -> None:
+        self._stopping.set()
+
+    def health(self) -> dict[str, bool]:
+        return {"producer": self._producer is not None and self._producer.healthy}
+
+    def _load(self) -> Policy:
+        from transformers import AutoTokenizer
+
+        policy = Policy.load(self._settings, self._world)
+        self._tokenizer = AutoTokenizer.from_pretrained(self._settings.model)
+        self._checkpoints.cleanup_partial()
+        latest = self._checkpoints.latest()
+        if latest is not None:
+            state = self._checkpoints.load(latest, policy.model, policy.optimizer, policy.scheduler)
+            self.step, self.version = state.step, state.policy_version
+            self._trained = set(state.trained_sample_ids)
+            self._offsets = dict(state.offsets)
+            log.info("resumed from checkpoint", path=str(latest), step=self.step)
+        return policy
+
+    async def _skip_lost_versions(self) -> None:
+        """Versions announced after the checkpoint we resumed from were lost with the crash;
+        engines may serve one. The checkpoint's weights are announced under a version above
+        all of them, so every engine goes back to them."""
+        announced = self.version
+        async for kind, event, _ in read_to_end(
+            self._config.kafka,
+            events.POLICY,
+            client_id=f"{self._runtime.producer_name}/versions",
+        ):
+            if kind == "policy_version":
+                announced = max(announced, event.version)  # type: ignore[attr-defined]
+        if announced > self.version:
+            log.warning(
+                "versions after the checkpoint were lost; re-announcing its weights",
+                checkpoint_version=self.version,
+                lost_up_to=announced,
+                version=announced + 1,
+            )
+            self.version = announced + 1
+
+    async def _on_record(self, record: Record, ctx: Context) -> None:
+        if record.kind != "group_samples":
+            return
+        group: pb.GroupSamples = record.event  # type: ignore[assignment]
+        await self._room.wait()  # backpressure: at most two batches pending
+        pending = self._batcher.pending_ids()
+        added = self._batcher.add(group, version=self.version, trained=self._trained)
+        self._count_dropped()
+        ids = {s.sample_id for s in group.samples}
+        # The record is acknowledged only once a checkpoint holds all of its samples — also
+        # when it is a re-delivery (after a rebalance) of samples pending or trained since
+        # the last checkpoint: acknowledging it now would lose them in a crash.
+        if added or ids & pending:
+            self._holds.setdefault(group.group_id, []).append(ctx.hold())
+        elif ids & self._unsaved_ids:
+            self._unsaved.append(ctx.hold())
+        key = f"{record.topic}:{record.partition}"
+        self._offsets[key] = max(self._offsets.get(key, 0), record.offset + 1)
+        if self._batcher.due:
+            self._due.set()
+            if self._batcher.pending_groups >= 2 * self._settings.batch_groups:
+                self._room.clear()
+
+    def _count_dropped(self) -> None:
+        for reason, count in self._batcher.dropped.items():
+            self.metrics.samples_dropped(reason).inc(count)
+        self._batcher.dropped.clear()
+
+    async def _train(self, server: WeightSyncServer, engines: EngineWatch) -> None:
+        settings = self._settings
+        while settings.max_steps is None or self.step < settings.max_steps:
+            await self._due.wait()
+            self._due.clear()
+            if self._stopping.is_set():
+                return
+            if not self._batcher.due:
+                continue
+            batch = self._batcher.take()
+            for group in batch.groups:
+                self._unsaved.extend(self._holds.pop(group.group_id, []))
+            if self._batcher.pending_groups < 2 * settings.batch_groups:
+                self._room.set()
+            stats = await self._step(batch)
+            self.step += 1
+            self.version += 1
+            self._trained.update(s.sample_id for s in batch.samples)
+            self._unsaved_ids.update(s.sample_id for s in batch.samples)
+            checkpoint = ""
+            if self.step % settings.checkpoint_every == 0 or self.step == settings.max_steps:
+                checkpoint = await self._checkpoint()
+            if settings.schedule == "sync":
+                await engines.pause(self.version)
+            await self._announce(server, checkpoint)
+            if settings.schedule == "sync":
+                await engines.wait_loaded(self.version, settings.load_timeout_s)
+                await engines.resume(self.version)
+            self.metrics.observe(stats, self.version)
+            log.info(
+                "step",
+                step=self.step,
+                version=self.version,
+                loss=round(stats.loss, 6),
+                clip_fraction=round(stats.clip_fraction, 4),
+                grad_norm=round(stats.grad_norm, 4),
+                mismatch=round(stats.mismatch, 6),
+                samples=stats.samples,
+                trained_tokens=stats.tokens,
+                seconds=round(stats.seconds, 3),
+            )
+            if self._batcher.due:
+                self._due.set()
+        log.info("max_steps reached: stopping", step=self.step)
+        self.finished.set()
+        self._stopping.set()
+
+    async def _step(self, batch: Batch) -> StepStats:
+        assert self._policy is not None
+        policy, world = self._policy, self._world
+        for sample in batch.samples:
+            self.metrics.staleness.observe(self.version - sample.policy_version_min)
+        links = [_link(g) for g in batch.groups if g.span_id and g.trace_id]
+        with self._tracer.start_as_current_span("trainer.step", links=links) as span:
+            span.set_attribute("harnessrl.step", self.step + 1)
+            span.set_attribute("harnessrl.groups", len(batch.groups))
+
+            def run() -> StepStats:
+                return policy.step(world.share(batch.samples))
+
+            stats = await asyncio.to_thread(run)
+            span.set_attribute("harnessrl.loss", stats.loss)
+        return stats
+
+    async def _checkpoint(self) -> str:
+        """Save a checkpoint of everything trained so far, then acknowledge its records."""
+        assert self._policy is not None
+        policy = self._policy
+        state = TrainerState(
+            step=self.step,
+            policy_version=self.version,
+            trained_sample_ids=frozenset(self._trained),
+            offsets=dict(self._offsets),
+        )
+        path = await asyncio.to_thread(
+            self._checkpoints.save,
+            policy.model,
+            policy.optimizer,
+            policy.scheduler,
+            state,
+            tokenizer=self._tokenizer,
+        )
+        for hold in self._unsaved:
+            hold.release()
+        self._unsaved = []
+        self._unsaved_ids.clear()
+        log.info("checkpoint saved", path=str(path), step=self.step)
+        return path.resolve().as_uri()
+
+    async def _announce(self, server: WeightSyncServer, checkpoint: str) -> None:
+        assert self._policy is not None and self._producer is not None
+        manifest = await server.publish(self.version, self.step, self._policy.state_dict())
+        await self._producer.publish(
+            pb.PolicyVersion(
+                version=self.version,
+                step=self.step,
+                weightsync_address=self._address(server),
+                manifest_checksum=manifest.manifest_checksum,
+                checkpoint_uri=checkpoint,
+            )
+        )
+
+    def _address(self, server: WeightSyncServer) -> str:
+        return self._settings.advertise_address or server.address
+
+    async def _finish(self, training: asyncio.Task[None]) -> None:
+        """Stop training (a step in progress completes: its thread cannot be interrupted),
+        checkpoint what is unsaved, and release its records before the consumer commits."""
+        self._due.set()
+        await asyncio.gather(training, return_exceptions=True)
+        if self._unsaved:
+            await self._checkpoint()
+        if self._world.size > 1:
+            await asyncio.to_thread(self._world.share, None)  # followers: stop
+
+
+def _link(group: pb.GroupSamples) -> Link:
+    context = SpanContext(
+        int(group.trace_id, 16), int(group.span_id, 16), True, TraceFlags(TraceFlags.SAMPLED)
+    )
+    return Link(context, {"harnessrl.group_id": group.group_id})
+
+
+def _stopper(consumer: Consumer, task: asyncio.Task[None]) -> Any:
+    async def stop() -> None:
+        await consumer.stop()
+        await asyncio.gather(task, return_exceptions=True)
+
+    return stop

@@ -1,0 +1,341 @@
+"""The trainer on the real broker with the real engine: its log-probs equal the engine's,
+a step is served and loaded, a SIGKILLed trainer resumes without training anything twice
+or skipping anything, and torchrun data parallelism gives the one-process update."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import yaml
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CollectorRegistry
+from safetensors.torch import load_file
+
+from harnessrl import events
+from harnessrl.broker import EmbeddedBroker
+from harnessrl.bus import Producer
+from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
+from harnessrl.runtime import Runtime
+from harnessrl.services.trainer.checkpoint import Checkpoints
+from harnessrl.services.trainer.config import TrainerConfig, TrainerSection
+from harnessrl.services.trainer.loss import token_logprobs
+from harnessrl.services.trainer.packing import SampleArrays, normalization_weights, pack
+from harnessrl.services.trainer.policy import Policy
+from harnessrl.services.trainer.service import TrainerService
+from harnessrl.v1 import events_pb2 as pb
+from tests.helpers import FAST_GROUP, eventually, read_topic, topic_size
+from tests.integration.test_policy_follow import engine
+from tests.model_helpers import TINY
+
+pytestmark = pytest.mark.integration
+__all__ = ["engine"]  # fixture used here
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = [[11, 257, 400, 12, 90], [300, 301, 302, 303], [5, 6, 7, 8, 9, 10, 11]]
+
+
+async def sampled(base_url: str, prompt: list[int], temperature: float, seed: int) -> pb.Sample:
+    """A completion from the engine as the gateway records it, as a one-call Sample."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        answer = await client.post(
+            "/v1/completions",
+            json={
+                "model": "tiny-model",
+                "prompt": prompt,
+                "max_tokens": 12,
+                "temperature": temperature,
+                "seed": seed,
+                "logprobs": 1,
+                "return_token_ids": True,
+            },
+        )
+    answer.raise_for_status()
+    choice = answer.json()["choices"][0]
+    completion = choice["token_ids"]
+    logprobs = choice["logprobs"]["token_logprobs"]
+    return pb.Sample(
+        sample_id=f"s{seed}/1/0",
+        episode_id=f"s{seed}",
+        attempt=1,
+        token_ids=prompt + completion,
+        loss_mask=[False] * len(prompt) + [True] * len(completion),
+        behavior_logprobs=[0.0] * len(prompt) + logprobs,
+        temperature=temperature,
+        policy_version_min=int(answer.headers["x-policy-version"]),
+        policy_version_max=int(answer.headers["x-policy-version"]),
+    )
+
+
+async def test_recomputed_logprobs_equal_the_engines_behaviour_logprobs(
+    engine: tuple[str, Any],
+) -> None:
+    base_url, _ = engine
+    samples = [
+        SampleArrays.from_proto(await sampled(base_url, prompt, temperature, seed))
+        for seed, (prompt, temperature) in enumerate((p, t) for p in PROMPTS for t in (1.0, 0.7))
+    ]
+    policy = Policy.load(TrainerSection(model=TINY, device="cpu"))
+    weights = normalization_weights(samples, "token_mean", constant_tokens=1)
+    diffs = []
+    with torch.no_grad():
+        for batch in pack(samples, weights, micro_batch_tokens=64):
+            logp = token_logprobs(policy.model, batch)  # [B, T]
+            diffs.append((logp - batch.behavior)[batch.loss_mask].abs())
+    diff = torch.cat(diffs)
+    print(f"trainer vs engine log-probs: mean |diff| {diff.mean():.2e}, max {diff.max():.2e}")
+    assert diff.numel() == sum(int(s.loss_mask.sum()) for s in samples) > 0
+    assert float(diff.mean()) < 1e-4 and float(diff.max()) < 1e-3  # ratio 1 on a first pass
+
+
+@asynccontextmanager
+async def trainer(
+    broker: EmbeddedBroker, tmp_path: Path, **section: Any
+) -> AsyncIterator[TrainerService]:
+    config = TrainerConfig(
+        instance="trainer-0",
+        kafka=KafkaSettings(bootstrap_servers=broker.bootstrap, partitions=3),
+        consumer=ConsumerSettings(**FAST_GROUP),
+        producer=ProducerSettings(spill_dir=tmp_path / "trainer-spill"),
+        trainer=TrainerSection(
+            port=0,
+            model=TINY,
+            device="cpu",
+            checkpoint_dir=tmp_path / "checkpoints",
+            weightsync={"port": 0},
+            **section,
+        ),
+    )
+    service = TrainerService(
+        config, Runtime("trainer", "trainer-0", CollectorRegistry(), TracerProvider())
+    )
+    task = asyncio.create_task(service.run())
+    await asyncio.wait_for(service.ready.wait(), 60)
+    try:
+        yield service
+    finally:
+        await service.stop()
+        await task
+
+
+async def publish(broker: EmbeddedBroker, tmp_path: Path, *groups: pb.GroupSamples) -> None:
+    producer = Producer(
+        KafkaSettings(bootstrap_servers=broker.bootstrap),
+        ProducerSettings(spill_dir=tmp_path / "publish-spill"),
+        name="sample-builder/test",
+    )
+    await producer.start()
+    for group in groups:
+        await producer.publish(group)
+    await producer.stop()
+
+
+async def policy_events(broker: EmbeddedBroker) -> list[tuple[str, Any]]:
+    size = await topic_size(broker.bootstrap, events.POLICY)
+    records = await read_topic(broker.bootstrap, events.POLICY, size) if size else []
+    out = []
+    for record in records:
+        envelope = events.decode(events.POLICY, record.value)
+        kind = envelope.WhichOneof("event")
+        out.append((kind, getattr(envelope, kind)))
+    return out
+
+
+def group_of(group_id: str, samples: list[pb.Sample], advantages: list[float]) -> pb.GroupSamples:
+    group = pb.GroupSamples(group_id=group_id, task_id=group_id, estimator="grpo")
+    for sample, advantage in zip(samples, advantages, strict=True):
+        copy = group.samples.add()
+        copy.CopyFrom(sample)
+        copy.sample_id = f"{group_id}/{sample.sample_id}"
+        copy.episode_id = f"{group_id}/{sample.episode_id}"
+        copy.advantage = advantage
+    return group
+
+
+@pytest.mark.parametrize("schedule", ["async", "sync"])
+async def test_a_step_is_served_and_the_engine_answers_with_the_new_version(
+    broker: EmbeddedBroker, engine: tuple[str, Any], tmp_path: Path, schedule: str
+) -> None:
+    base_url, _ = engine
+    good = await sampled(base_url, PROMPTS[0], 1.0, 1)
+    bad = await sampled(base_url, PROMPTS[0], 1.0, 2)
+    before = await sampled(base_url, PROMPTS[0], 1.0, 1)
+    async with trainer(
+        broker, tmp_path, batch_groups=1, lr=1e-2, checkpoint_every=1, schedule=schedule
+    ) as service:
+        await publish(broker, tmp_path, group_of("g1", [good, bad], [1.0, -1.0]))
+
+        async def loaded() -> bool:
+            return any(
+                kind == "policy_loaded" and e.version == 1 and e.ok
+                for kind, e in await policy_events(broker)
+            )
+
+        await eventually(loaded, timeout=60, interval=0.3)
+        assert service.step == 1 and service.version == 1
+    after = await sampled(base_url, PROMPTS[0], 1.0, 1)
+    assert after.policy_version_min == 1  # the engine answers with the new weights
+    # Same seed, new weights: the sampled reply (or its log-probs) moved.
+    assert list(after.behavior_logprobs) != list(before.behavior_logprobs)
+    policy = await policy_events(broker)
+    announced = [e for kind, e in policy if kind == "policy_version"]
+    assert [e.version for e in announced] == [0, 1]
+    if schedule == "sync":  # pause, announce, the engine loads, resume: in that order
+        order = [
+            (kind, e.action if kind == "control_command" else e.version)
+            for kind, e in policy
+            if kind != "policy_version" or e.version == 1
+        ]
+        assert order == [
+            ("control_command", pb.CONTROL_ACTION_PAUSE),
+            ("policy_version", 1),
+            ("policy_loaded", 1),
+            ("control_command", pb.CONTROL_ACTION_RESUME),
+        ]
+    assert announced[1].checkpoint_uri.startswith("file://")
+    state = Checkpoints(tmp_path / "checkpoints").latest()
+    assert state is not None and state.name == "step-00000001"
+
+
+def _trainer_config(tmp_path: Path, bootstrap: str, **trainer: Any) -> Path:
+    path = tmp_path / "trainer.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "kafka": {"bootstrap_servers": bootstrap, "partitions": 3},
+                "consumer": FAST_GROUP,
+                "producer": {"spill_dir": str(tmp_path / "spill")},
+                "telemetry": {"exporter": "none"},
+                "trainer": {
+                    "port": 0,
+                    "model": str(TINY),
+                    "device": "cpu",
+                    "checkpoint_dir": str(tmp_path / "checkpoints"),
+                    "weightsync": {"port": 0},
+                    "batch_groups": 1,
+                    "checkpoint_every": 2,
+                    "lr": 1e-3,
+                    "max_staleness": 1000,  # this test is about crashes, not staleness
+                }
+                | trainer,
+            }
+        )
+    )
+    return path
+
+
+async def test_a_killed_trainer_resumes_without_training_a_sample_twice_or_skipping_one(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    rng = np.random.default_rng(0)
+    groups = []
+    for g in range(6):
+        samples = []
+        for e in range(2):
+            completion = rng.integers(20, 2000, 6).tolist()
+            samples.append(
+                pb.Sample(
+                    sample_id=f"s{e}/1/0",
+                    episode_id=f"s{e}",
+                    token_ids=PROMPTS[0] + completion,
+                    loss_mask=[False] * 5 + [True] * 6,
+                    behavior_logprobs=[0.0] * 5 + [-7.0] * 6,
+                    temperature=1.0,
+                )
+            )
+        groups.append(group_of(f"g{g}", samples, [1.0, -1.0]))
+    config = _trainer_config(tmp_path, broker.bootstrap)
+    command = [sys.executable, "-m", "harnessrl.services.trainer", "--config", str(config)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log_path = tmp_path / "first.log"
+    with log_path.open("wb") as log_file:
+        first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log_file)
+    try:
+        await publish(broker, tmp_path, *groups)
+
+        async def three_steps() -> bool:
+            versions = [e.version for k, e in await policy_events(broker) if k == "policy_version"]
+            return max(versions, default=0) >= 3
+
+        await eventually(three_steps, timeout=120, interval=0.2)
+    except BaseException:
+        print(log_path.read_text()[-5000:])
+        raise
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    second_log = tmp_path / "second.log"
+    with second_log.open("wb") as log_file:
+        second = subprocess.Popen(
+            [*command, "--max-steps", "6"], env=env, stdout=subprocess.DEVNULL, stderr=log_file
+        )
+        try:
+            code = await asyncio.to_thread(second.wait, 150)
+        except subprocess.TimeoutExpired:
+            second.kill()
+            second.wait()
+            pytest.fail(f"the resumed trainer did not finish:\n{second_log.read_text()[-6000:]}")
+    assert code == 0, second_log.read_text()[-3000:]
+    checkpoints = Checkpoints(tmp_path / "checkpoints")
+    latest = checkpoints.latest()
+    assert latest is not None
+    policy = Policy.load(TrainerSection(model=TINY, device="cpu"))
+    state = checkpoints.load(latest, policy.model, policy.optimizer, policy.scheduler)
+    every = {s.sample_id for g in groups for s in g.samples}
+    assert state.step == 6  # six groups, one step each: nothing trained twice
+    assert state.trained_sample_ids == every  # and nothing skipped
+    # Versions never go back, and a version lost with the crash is never reused for other
+    # weights (a checkpoint's own version may be announced again: same step, same weights).
+    announced = [
+        (e.version, e.step) for k, e in await policy_events(broker) if k == "policy_version"
+    ]
+    assert [v for v, _ in announced] == sorted(v for v, _ in announced)
+    assert len(set(announced)) == len({v for v, _ in announced})
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def test_torchrun_two_processes_give_the_one_process_update(tmp_path: Path) -> None:
+    worker = ROOT / "tests" / "integration" / "workers" / "ddp_step.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    single = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, str(worker), str(tmp_path / "single.safetensors")],
+        env=env, capture_output=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert single.returncode == 0, single.stderr.decode()[-3000:]
+    torchrun = Path(sys.executable).parent / "torchrun"
+    double = await asyncio.to_thread(
+        subprocess.run,
+        [str(torchrun), "--nproc-per-node", "2", "--master-port", str(_free_port()), str(worker),
+         str(tmp_path / "double.safetensors")],
+        env=env, capture_output=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert double.returncode == 0, double.stderr.decode()[-3000:]
+    one, two = (
+        load_file(tmp_path / "single.safetensors"),
+        load_file(tmp_path / "double.safetensors"),
+    )
+    base = load_file(TINY / "model.safetensors")
+    moved = 0
+    for name, tensor in one.items():
+        torch.testing.assert_close(two[name], tensor, rtol=1e-5, atol=1e-6)
+        moved += int(name in base and not torch.equal(tensor, base[name]))
+    assert moved > 0  # the step did change the weights

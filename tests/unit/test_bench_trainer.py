@@ -1,0 +1,73 @@
+"""`harnessrl bench trainer` at toy sizes on the tiny model: it runs end to end and prints
+its JSON line. Timings are not asserted (they belong to the benchmark's output)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harnessrl.cli import main
+
+SMALL = [
+    "--device",
+    "cpu",
+    "--batches",
+    "2",
+    "--samples",
+    "3",
+    "--min-len",
+    "16",
+    "--max-len",
+    "40",
+    "--micro-batch-tokens",
+    "64",
+    "--seed",
+    "5",
+]
+
+
+def test_bench_trainer_json_prints_one_line_with_the_figures(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "trainer", "--json", *SMALL]) == 0
+    out = capsys.readouterr()
+    lines = out.out.splitlines()
+    assert len(lines) == 1
+    result = json.loads(lines[0])
+    for key in ("trainer_step_s", "bare_step_s", "ratio", "tokens_per_s", "bare_tokens_per_s"):
+        assert result[key] > 0, key
+    assert result["achieved_tflops"] > 0
+    assert result["mfu"] is None and result["peak_tflops"] is None  # no peak on CPU
+    assert result["device"] == "cpu"
+    assert result["threads"] >= 1
+    assert result["model_size"] == "tiny"
+    assert 500_000 < result["model_params"] < 2_000_000
+    assert 0.0 <= result["padding_fraction"] < 1.0
+    assert (result["batches"], result["measured_batches"], result["samples_per_batch"]) == (2, 1, 3)
+    assert 3 * 16 <= result["tokens_per_batch"] <= 3 * 40
+    assert (result["min_len"], result["max_len"], result["micro_batch_tokens"]) == (16, 40, 64)
+    assert "batch 1/2 (warm-up)" in out.err and "batch 2/2:" in out.err
+
+
+def test_bench_trainer_without_json_prints_a_summary_then_the_json_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "trainer", *SMALL]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.strip().startswith("ratio:") for line in lines[:-1])
+    assert json.loads(lines[-1])["samples_per_batch"] == 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        (["--batches", "1"], "--batches must be >= 2"),
+        (["--model-size", "0.5b"], "--model-size 0.5b needs CUDA"),
+    ],
+)
+def test_bench_trainer_refuses_a_run_it_cannot_measure(
+    extra: list[str], reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "trainer", "--json", *SMALL, *extra]) == 2
+    assert reason in capsys.readouterr().err
