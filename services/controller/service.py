@@ -17,7 +17,16 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from harnessrl import events
-from harnessrl.bus import BusMetrics, Consumer, Context, Hold, Producer, Record, ensure_topics
+from harnessrl.bus import (
+    BusMetrics,
+    Consumer,
+    Context,
+    Hold,
+    Producer,
+    Record,
+    ensure_topics,
+    stopper,
+)
 from harnessrl.bus.snapshot import read_to_end
 from harnessrl.logs import get_logger
 from harnessrl.metrics import Labelled
@@ -191,7 +200,7 @@ class ControllerService:
         stack.push_async_callback(self._cancel_episodes)
         for consumer in (policy, tasks):
             task = asyncio.create_task(consumer.run(), name=f"consume {consumer.topics[0]}")
-            stack.push_async_callback(_stopper(consumer, task))
+            stack.push_async_callback(stopper(consumer, task))
 
     async def _on_task(self, record: Record, ctx: Context) -> None:
         if record.kind != "task_submitted":
@@ -275,11 +284,3 @@ class ControllerService:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _stopper(consumer: Consumer, task: asyncio.Task[None]) -> Any:
-    async def stop() -> None:
-        await consumer.stop()
-        await asyncio.gather(task, return_exceptions=True)
-
-    return stop

@@ -20,7 +20,16 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import Link, SpanContext, TraceFlags
 
 from harnessrl import events
-from harnessrl.bus import BusMetrics, Consumer, Context, Hold, Producer, Record, ensure_topics
+from harnessrl.bus import (
+    BusMetrics,
+    Consumer,
+    Context,
+    Hold,
+    Producer,
+    Record,
+    ensure_topics,
+    stopper,
+)
 from harnessrl.bus.snapshot import read_keys
 from harnessrl.logs import get_logger
 from harnessrl.runtime import Runtime
@@ -84,7 +93,7 @@ class SampleBuilderService:
                 co_partitioned=True,
             )
             task = asyncio.create_task(consumer.run(), name="consume calls/episodes/rewards")
-            stack.push_async_callback(_stopper(consumer, task))
+            stack.push_async_callback(stopper(consumer, task))
             sweeper = asyncio.create_task(self._sweep(), name="group timeouts")
             stack.callback(sweeper.cancel)
             self.metrics.open_groups.set_function(lambda: len(self._groups))
@@ -213,11 +222,3 @@ def _decoder(path: str) -> Decode:
         return str(tokenizer.decode(list(ids), skip_special_tokens=False))
 
     return decode
-
-
-def _stopper(consumer: Consumer, task: asyncio.Task[None]) -> Any:
-    async def stop() -> None:
-        await consumer.stop()
-        await asyncio.gather(task, return_exceptions=True)
-
-    return stop

@@ -19,7 +19,16 @@ from typing import Any
 from opentelemetry.trace import Link, SpanContext, TraceFlags
 
 from harnessrl import events
-from harnessrl.bus import BusMetrics, Consumer, Context, Hold, Producer, Record, ensure_topics
+from harnessrl.bus import (
+    BusMetrics,
+    Consumer,
+    Context,
+    Hold,
+    Producer,
+    Record,
+    ensure_topics,
+    stopper,
+)
 from harnessrl.bus.snapshot import read_to_end
 from harnessrl.logs import get_logger
 from harnessrl.runtime import Runtime
@@ -109,7 +118,7 @@ class TrainerService:
                 tracer=self._tracer,
             )
             consuming = asyncio.create_task(consumer.run(), name="consume hrl.samples")
-            stack.push_async_callback(_stopper(consumer, consuming))
+            stack.push_async_callback(stopper(consumer, consuming))
             training = asyncio.create_task(self._train(server, engines), name="train")
             stack.push_async_callback(self._finish, training)
             log.info(
@@ -248,6 +257,7 @@ class TrainerService:
         links = [_link(g) for g in batch.groups if g.span_id and g.trace_id]
         with self._tracer.start_as_current_span("trainer.step", links=links) as span:
             span.set_attribute("harnessrl.step", self.step + 1)
+            span.set_attribute("harnessrl.policy_version", self.version + 1)  # it produces
             span.set_attribute("harnessrl.groups", len(batch.groups))
 
             def run() -> StepStats:
@@ -314,11 +324,3 @@ def _link(group: pb.GroupSamples) -> Link:
         int(group.trace_id, 16), int(group.span_id, 16), True, TraceFlags(TraceFlags.SAMPLED)
     )
     return Link(context, {"harnessrl.group_id": group.group_id})
-
-
-def _stopper(consumer: Consumer, task: asyncio.Task[None]) -> Any:
-    async def stop() -> None:
-        await consumer.stop()
-        await asyncio.gather(task, return_exceptions=True)
-
-    return stop

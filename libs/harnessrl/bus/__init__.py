@@ -5,7 +5,7 @@ consumer = Consumer(config.kafka, config.consumer, topics=[events.EPISODES],
                     group_id="harnessrl.reward", handler=handle, producer=producer)
 """
 
-from harnessrl.bus.consumer import Consumer, Context, Handler, Hold, Record
+from harnessrl.bus.consumer import Consumer, Context, Handler, Hold, Record, stopper
 from harnessrl.bus.kafka import TopicError, client_kwargs, ensure_topics
 from harnessrl.bus.metrics import BusMetrics
 from harnessrl.bus.producer import Ack, Producer, ProducerClosedError
@@ -23,4 +23,5 @@ __all__ = [
     "TopicError",
     "client_kwargs",
     "ensure_topics",
+    "stopper",
 ]

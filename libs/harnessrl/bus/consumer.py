@@ -358,3 +358,14 @@ class Consumer:
         log.info("partitions assigned", group=self.group_id, partitions=sorted(tps))
         if self._on_assigned is not None and tps:
             await self._on_assigned(tps)
+
+
+def stopper(consumer: Consumer, task: asyncio.Task[None]) -> Callable[[], Awaitable[None]]:
+    """An AsyncExitStack callback for a consumer running in `task`: stop it (the batch in
+    hand finishes, offsets are committed), then wait for `task` to end."""
+
+    async def stop() -> None:
+        await consumer.stop()
+        await asyncio.gather(task, return_exceptions=True)
+
+    return stop

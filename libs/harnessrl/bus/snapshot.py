@@ -36,12 +36,9 @@ async def end_offsets(consumer: Any, partitions: list[Any]) -> dict[Any, int]:
     return marks
 
 
-async def read_to_end(
-    kafka: KafkaSettings, topic: str, *, client_id: str
-) -> AsyncIterator[tuple[str, Message, Any]]:
-    """(event kind, event, raw record) of every decodable record of `topic` that exists when
-    called, partition by partition in offset order. Undecodable records are skipped (their
-    consumers send them to the DLQ). Raises what aiokafka raises when Kafka is unreachable."""
+async def raw_to_end(kafka: KafkaSettings, topic: str, *, client_id: str) -> AsyncIterator[Any]:
+    """Every raw record of `topic` that exists when called, partition by partition in
+    offset order. Raises what aiokafka raises when Kafka is unreachable."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     consumer = AIOKafkaConsumer(
@@ -63,46 +60,33 @@ async def read_to_end(
             batch = await consumer.getmany(*todo, timeout_ms=1000)
             for tp, records in batch.items():
                 for record in records:
-                    if record.offset >= ends[tp]:
-                        continue
-                    try:
-                        envelope = events.decode(topic, record.value)
-                    except events.DecodeError:
-                        continue
-                    _, kind, event = events.unwrap(envelope)
-                    yield kind, event, record
+                    if record.offset < ends[tp]:
+                        yield record
                 if records and records[-1].offset >= ends[tp] - 1:
                     todo.discard(tp)
     finally:
         await consumer.stop()
+
+
+async def read_to_end(
+    kafka: KafkaSettings, topic: str, *, client_id: str
+) -> AsyncIterator[tuple[str, Message, Any]]:
+    """(event kind, event, raw record) of every decodable record of `topic` that exists when
+    called, partition by partition in offset order. Undecodable records are skipped (their
+    consumers send them to the DLQ). Raises what aiokafka raises when Kafka is unreachable."""
+    async for record in raw_to_end(kafka, topic, client_id=client_id):
+        try:
+            envelope = events.decode(topic, record.value)
+        except events.DecodeError:
+            continue
+        _, kind, event = events.unwrap(envelope)
+        yield kind, event, record
 
 
 async def read_keys(kafka: KafkaSettings, topic: str, *, client_id: str) -> set[str]:
     """The record keys of `topic` as it is when called (values are not decoded)."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-
-    consumer = AIOKafkaConsumer(
-        **client_kwargs(kafka, client_id),
-        group_id=None,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-    )
-    await consumer.start()
-    keys: set[str] = set()
-    try:
-        await consumer.topics()
-        partitions = [
-            TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())
-        ]
-        ends = await end_offsets(consumer, partitions)
-        todo = {tp for tp in partitions if ends[tp] > 0}
-        await consumer.seek_to_beginning(*partitions)
-        while todo:
-            batch = await consumer.getmany(*todo, timeout_ms=1000)
-            for tp, records in batch.items():
-                keys.update(r.key.decode() for r in records if r.key and r.offset < ends[tp])
-                if records and records[-1].offset >= ends[tp] - 1:
-                    todo.discard(tp)
-    finally:
-        await consumer.stop()
-    return keys
+    return {
+        record.key.decode()
+        async for record in raw_to_end(kafka, topic, client_id=client_id)
+        if record.key
+    }
