@@ -219,6 +219,7 @@ class Call:
         cap = settings.body_capture_bytes if settings.capture_bodies else 0
         temperature = float(self.upstream.get("temperature", 1.0))
         top_p = float(self.upstream.get("top_p", 1.0))
+        seqs: list[int] = []
         for index in sorted(completions):
             completion = completions[index]
             if len(completion.logprobs) != len(completion.ids):
@@ -253,6 +254,7 @@ class Call:
                 bodies_truncated=cap > 0 and (len(self._raw) > cap or len(response_body) > cap),
             )
             call.started_at.FromNanoseconds(self._started_ns)
+            seqs.append(call.seq)
             self._episode.keep(self._f.producer.publish(call))  # type: ignore[arg-type]
             self._f.metrics.prompt_tokens.inc(len(completion.prompt_ids))
             self._f.metrics.completion_tokens.inc(len(completion.ids))
@@ -262,6 +264,9 @@ class Call:
                     "harnessrl.engine": engine,
                     "harnessrl.policy_version": version or "",
                     "harnessrl.choices": len(completions),
+                    "harnessrl.seq": seqs,
+                    "harnessrl.prompt_tokens": sum(len(c.prompt_ids) for c in completions.values()),
+                    "harnessrl.completion_tokens": sum(len(c.ids) for c in completions.values()),
                 }
             )
         self.outcome = "ok"

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from harnessrl import __version__
-from harnessrl.cli import bench, broker, config_cmd, events_cmd, submit
+from harnessrl.cli import bench, broker, config_cmd, events_cmd, submit, trace
 from harnessrl.cli.common import CliError
 from harnessrl.services.controller import cli as controller
 from harnessrl.services.gateway import cli as gateway
@@ -32,6 +32,7 @@ _COMMANDS = (
     events_cmd,
     config_cmd,
     bench,
+    trace,
 )
 
 
