@@ -15,8 +15,9 @@ from harnessrl.cli.common import CliError
 if TYPE_CHECKING:
     from harnessrl.telemetry.tracetree import Span
 
-DEFAULT_SPANS = Path(".harnessrl/traces/spans.jsonl")
-"""Where `harnessrl up`'s embedded OTLP receiver stores spans."""
+DEFAULT_SPANS = Path(".harnessrl/traces.jsonl")
+"""Where services write spans with `telemetry.exporter: jsonl` (telemetry.jsonl_path's
+default), and where `harnessrl up`'s local OTLP receiver is to store them."""
 
 # Service names as the services' tracer providers set them (`harnessrl-<service>`).
 _CONTROLLER, _GATEWAY = "harnessrl-controller", "harnessrl-gateway"
@@ -92,8 +93,8 @@ def _file_spans(paths: list[Path]) -> list[Span]:
     for path in paths:
         if not path.is_file():
             raise CliError(
-                f"{path}: no such span file (`harnessrl up` writes {DEFAULT_SPANS}; "
-                "for spans sent to a Jaeger use --jaeger URL)"
+                f"{path}: no such span file (services write {DEFAULT_SPANS} with "
+                "HARNESSRL_TELEMETRY__EXPORTER=jsonl; for spans sent to a Jaeger use --jaeger URL)"
             )
         spans.extend(from_otlp(s) for s in read_spans(path))
     return spans
