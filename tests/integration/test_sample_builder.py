@@ -88,10 +88,12 @@ async def test_groups_from_a_real_harness_run_hold_exactly_the_recorded_tokens(
             _task("g-train", {"question": "What is 17 + 25?"}, size=3, split=pb.MODE_TRAIN),
         )
         (group,) = await samples_on_topic(broker, 1)
-    calls = {(c.episode_id, c.seq): c for c in await stack.calls(at_least=6)}
+    # The group is built only once every call arrived: these are all of them. (Train mode
+    # samples at temperature 1, so an episode makes one call or several.)
+    calls = {(c.episode_id, c.seq): c for c in await stack.calls()}
     assert group.group_id == "g-train" and group.estimator == "grpo"
     assert len(group.dropped) == 0 and group.span_id and group.trace_id
-    assert group.merge.calls == len(calls) == 6
+    assert group.merge.calls == len(calls) >= 3
     rewards = np.array([0.0, 1.0, 2.0])
     expected = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
     by_episode: dict[str, list[pb.Sample]] = {}
@@ -116,7 +118,8 @@ async def test_groups_from_a_real_harness_run_hold_exactly_the_recorded_tokens(
             assert set(sample.call_span_ids) == {
                 calls[(episode, s)].span_id for s in sample.call_seqs
             }
-        recorded = [t for s in (0, 1) for t in calls[(episode, s)].completion_token_ids]
+        seqs = sorted(s for e, s in calls if e == episode)
+        recorded = [t for s in seqs for t in calls[(episode, s)].completion_token_ids]
         assert trained == recorded  # every completion token once, in order, trained on
 
 
