@@ -76,12 +76,16 @@ class Stack:
 
 @asynccontextmanager
 async def running_stack(
-    broker: EmbeddedBroker, tmp_path: Path, model: Path, **gateway: Any
+    broker: EmbeddedBroker,
+    tmp_path: Path,
+    model: Path,
+    tracer_provider: TracerProvider | None = None,
+    **gateway: Any,
 ) -> AsyncIterator[Stack]:
     kafka = KafkaSettings(bootstrap_servers=broker.bootstrap, partitions=3)
     engine = InferenceService(
         InferenceConfig(inference=InferenceSection(model=model, port=0, follow_policy=False)),
-        Runtime("inference", "e-0", CollectorRegistry(), TracerProvider()),
+        Runtime("inference", "e-0", CollectorRegistry(), tracer_provider or TracerProvider()),
     )
     engine_task = asyncio.create_task(engine.run())
     await asyncio.wait_for(engine.ready.wait(), 60)
@@ -101,7 +105,9 @@ async def running_stack(
         producer=ProducerSettings(spill_dir=tmp_path / "gw-spill"),
         gateway=section,
     )
-    service = GatewayService(config, Runtime("gateway", "gw-0", registry, TracerProvider()))
+    service = GatewayService(
+        config, Runtime("gateway", "gw-0", registry, tracer_provider or TracerProvider())
+    )
     gateway_task = asyncio.create_task(service.run())
     await asyncio.wait_for(service.ready.wait(), 60)
     try:

@@ -73,7 +73,10 @@ def _section(stack: Stack, tmp_path: Path, **overrides: Any) -> ControllerSectio
 
 @asynccontextmanager
 async def controller(
-    stack: Stack, tmp_path: Path, **overrides: Any
+    stack: Stack,
+    tmp_path: Path,
+    tracer_provider: TracerProvider | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[ControllerService]:
     config = ControllerConfig(
         instance="ctl-0",
@@ -83,7 +86,8 @@ async def controller(
         controller=_section(stack, tmp_path, **overrides),
     )
     service = ControllerService(
-        config, Runtime("controller", "ctl-0", CollectorRegistry(), TracerProvider())
+        config,
+        Runtime("controller", "ctl-0", CollectorRegistry(), tracer_provider or TracerProvider()),
     )
     task = asyncio.create_task(service.run())
     await asyncio.wait_for(service.ready.wait(), 60)

@@ -67,6 +67,7 @@ async def reward_service(
     tmp_path: Path,
     name: str = "rw-0",
     registry: CollectorRegistry | None = None,
+    tracer_provider: TracerProvider | None = None,
     **section: Any,
 ) -> AsyncIterator[RewardService]:
     config = RewardConfig(
@@ -77,7 +78,10 @@ async def reward_service(
         reward=RewardSection(port=0, **section),
     )
     service = RewardService(
-        config, Runtime("reward", name, registry or CollectorRegistry(), TracerProvider())
+        config,
+        Runtime(
+            "reward", name, registry or CollectorRegistry(), tracer_provider or TracerProvider()
+        ),
     )
     task = asyncio.create_task(service.run())
     await asyncio.wait_for(service.ready.wait(), 30)

@@ -41,6 +41,7 @@ async def sample_builder(
     tmp_path: Path,
     name: str = "sb-0",
     registry: CollectorRegistry | None = None,
+    tracer_provider: TracerProvider | None = None,
     **section: Any,
 ) -> AsyncIterator[SampleBuilderService]:
     config = SampleBuilderConfig(
@@ -51,7 +52,13 @@ async def sample_builder(
         sample_builder=SampleBuilderSection(port=0, **section),
     )
     service = SampleBuilderService(
-        config, Runtime("sample-builder", name, registry or CollectorRegistry(), TracerProvider())
+        config,
+        Runtime(
+            "sample-builder",
+            name,
+            registry or CollectorRegistry(),
+            tracer_provider or TracerProvider(),
+        ),
     )
     task = asyncio.create_task(service.run())
     await asyncio.wait_for(service.ready.wait(), 60)

@@ -102,7 +102,10 @@ async def test_recomputed_logprobs_equal_the_engines_behaviour_logprobs(
 
 @asynccontextmanager
 async def trainer(
-    broker: EmbeddedBroker, tmp_path: Path, **section: Any
+    broker: EmbeddedBroker,
+    tmp_path: Path,
+    tracer_provider: TracerProvider | None = None,
+    **section: Any,
 ) -> AsyncIterator[TrainerService]:
     config = TrainerConfig(
         instance="trainer-0",
@@ -110,16 +113,19 @@ async def trainer(
         consumer=ConsumerSettings(**FAST_GROUP),
         producer=ProducerSettings(spill_dir=tmp_path / "trainer-spill"),
         trainer=TrainerSection(
-            port=0,
-            model=TINY,
-            device="cpu",
-            checkpoint_dir=tmp_path / "checkpoints",
-            weightsync={"port": 0},
-            **section,
+            **{
+                "port": 0,
+                "model": TINY,
+                "device": "cpu",
+                "checkpoint_dir": tmp_path / "checkpoints",
+                "weightsync": {"port": 0},
+            }
+            | section
         ),
     )
     service = TrainerService(
-        config, Runtime("trainer", "trainer-0", CollectorRegistry(), TracerProvider())
+        config,
+        Runtime("trainer", "trainer-0", CollectorRegistry(), tracer_provider or TracerProvider()),
     )
     task = asyncio.create_task(service.run())
     await asyncio.wait_for(service.ready.wait(), 60)
