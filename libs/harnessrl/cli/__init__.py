@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from harnessrl import __version__
-from harnessrl.cli import bench, broker, config_cmd, events_cmd, submit, trace
+from harnessrl.cli import bench, broker, config_cmd, events_cmd, submit, trace, up
 from harnessrl.cli.common import CliError
 from harnessrl.services.controller import cli as controller
 from harnessrl.services.gateway import cli as gateway
@@ -33,6 +33,7 @@ _COMMANDS = (
     config_cmd,
     bench,
     trace,
+    up,
 )
 
 

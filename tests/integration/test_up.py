@@ -1,0 +1,153 @@
+"""`harnessrl up` as a user runs it: the whole stack from one command, one episode through
+it, then Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from harnessrl import events
+from tests.helpers import eventually, read_topic, topic_size
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = ROOT / "examples" / "tasks" / "sample.jsonl"
+SERVICES = ["broker", "inference", "gateway", "reward", "sample-builder", "trainer", "controller"]
+
+
+class Up:
+    """The running `harnessrl up` process and the lines it printed so far."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        self.lines: list[str] = []
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        assert self.process.stdout is not None
+        while line := await self.process.stdout.readline():
+            self.lines.append(line.decode(errors="replace").rstrip("\n"))
+
+    async def table(self, timeout: float) -> dict[str, tuple[int, str, str]]:
+        """Wait for the ready table; service -> (pid, listens, health URL)."""
+
+        async def printed() -> bool:
+            if self.process.returncode is not None:
+                pytest.fail("harnessrl up exited early:\n" + "\n".join(self.lines[-60:]))
+            return any(line.startswith("harnessrl up: ready") for line in self.lines)
+
+        await eventually(printed, timeout=timeout, interval=0.2)
+        start = next(i for i, line in enumerate(self.lines) if line.startswith("harnessrl up:"))
+        rows: dict[str, tuple[int, str, str]] = {}
+        for line in self.lines[start + 2 :]:
+            parts = line.split()
+            if not line.startswith("  ") or parts[0] not in SERVICES:
+                break
+            rows[parts[0]] = (int(parts[1]), " ".join(parts[2:-1]), parts[-1])
+        return rows
+
+    async def finish(self, timeout: float) -> int:
+        code = await asyncio.wait_for(self.process.wait(), timeout)
+        await self._reader
+        return code
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc, by parent pid)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+async def _finished_episodes(bootstrap: str) -> list[object]:
+    size = await topic_size(bootstrap, events.EPISODES)
+    records = await read_topic(bootstrap, events.EPISODES, size) if size else []
+    envelopes = [events.decode(events.EPISODES, r.value) for r in records]
+    return [e.episode_finished for e in envelopes if e.WhichOneof("event") == "episode_finished"]
+
+
+async def test_up_starts_every_service_runs_an_episode_and_stops_cleanly_on_ctrl_c(
+    tmp_path: Path,
+) -> None:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "harnessrl",
+        "up",
+        "--config",
+        "examples/up.yaml",
+        "--workdir",
+        str(tmp_path / "up"),
+        cwd=ROOT,
+        env={**os.environ, "NO_COLOR": "1"},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    up = Up(process)
+    try:
+        table = await up.table(timeout=120)
+        assert list(table) == SERVICES
+        async with httpx.AsyncClient(timeout=5) as client:
+            for name, (_, _, health) in table.items():
+                response = await client.get(health)
+                assert response.status_code == 200, (name, response.text)
+        children = {pid for pid, _, _ in table.values()}
+        assert children <= _descendants(process.pid)
+        bootstrap = table["broker"][1].removeprefix("kafka ")
+
+        tasks = tmp_path / "tasks.jsonl"
+        tasks.write_text(SAMPLE.read_text().splitlines()[2] + "\n")  # one train task
+        submit = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "harnessrl", "submit", str(tasks), "--bootstrap", bootstrap,
+            cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await submit.communicate()
+        assert submit.returncode == 0, err.decode()
+
+        async def finished() -> bool:
+            return bool(await _finished_episodes(bootstrap))
+
+        await eventually(finished, timeout=60, interval=0.5)
+        everything = children | _descendants(process.pid)
+
+        process.send_signal(signal.SIGINT)
+        assert await up.finish(timeout=60) == 0, "\n".join(up.lines[-40:])
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    log = "\n".join(up.lines)
+    for name in SERVICES:
+        assert f"{name} exited code=0" in log
+    stop_order = [line.split()[2] for line in up.lines if line.split()[1:2] == ["stopping"]]
+    assert stop_order == SERVICES[::-1]
+    assert not [pid for pid in everything if _alive(pid)]
+    assert (tmp_path / "up" / "traces.jsonl").stat().st_size > 0
