@@ -25,7 +25,11 @@ from opentelemetry import trace
 
 from harnessrl.config import LogSettings
 
-_SECRET_NAME = re.compile(r"password|passwd|secret|token|api_?key|authorization", re.I)
+# "token" only as a whole word of the key (admin_token, token_secret, token): counts such
+# as prompt_tokens or trained_tokens and words like retokenization are not secrets.
+_SECRET_NAME = re.compile(
+    r"password|passwd|secret|api_?key|authorization|(?:^|_)token(?:$|_)", re.I
+)
 _MASK = "**********"
 _FIELDS = "hrl_fields"
 

@@ -42,6 +42,17 @@ def test_secret_looking_fields_are_masked() -> None:
     assert line.count("**********") == 4
 
 
+def test_token_counts_are_not_taken_for_secrets() -> None:
+    stream = io.StringIO()
+    configure_logging("trainer", LogSettings(format="json"), stream)
+    get_logger("harnessrl.test").info(
+        "step", trained_tokens=7, prompt_tokens=3, classify_retokenization=True, token="t"
+    )
+    data = json.loads(stream.getvalue())
+    assert (data["trained_tokens"], data["prompt_tokens"]) == (7, 3)
+    assert data["classify_retokenization"] is True and data["token"] == "**********"
+
+
 def test_text_format_is_one_readable_line() -> None:
     stream = io.StringIO()
     configure_logging("broker", LogSettings(format="text", level="DEBUG"), stream)
