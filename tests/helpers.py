@@ -127,6 +127,20 @@ async def topic_size(bootstrap: str, topic: str) -> int:
         await consumer.stop()
 
 
+async def events_on(bootstrap: str, topic: str) -> list[tuple[str, Any]]:
+    """(kind, event) of every record now on `topic`, in partition order."""
+    from harnessrl import events
+
+    size = await topic_size(bootstrap, topic)
+    records = await read_topic(bootstrap, topic, size) if size else []
+    out = []
+    for record in records:
+        envelope = events.decode(topic, record.value)
+        kind = envelope.WhichOneof("event")
+        out.append((kind, getattr(envelope, kind)))
+    return out
+
+
 async def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int]:
     """Committed offset per partition of `topic` for `group` (0 where none)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition

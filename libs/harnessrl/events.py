@@ -113,11 +113,12 @@ def _routes() -> dict[type[Message], _Route]:
         envelope = TOPICS[topic].envelope
         assert envelope is not None
         number = envelope.DESCRIPTOR.fields_by_name[field].number
-        routes[cls] = _Route(topic, envelope, field, identity, _varint(number << 3 | 2))
+        routes[cls] = _Route(topic, envelope, field, identity, varint(number << 3 | 2))
     return routes
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """`value` as a protobuf base-128 varint."""
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)
@@ -126,7 +127,7 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-_META_TAG = _varint(1 << 3 | 2)  # EventMeta meta = 1 in every envelope
+_META_TAG = varint(1 << 3 | 2)  # EventMeta meta = 1 in every envelope
 
 
 _ROUTES = _routes()
@@ -182,10 +183,10 @@ def encode(event: Message, *, producer: str, event_id_: str | None = None) -> by
     return b"".join(
         (
             _META_TAG,
-            _varint(len(meta_bytes)),
+            varint(len(meta_bytes)),
             meta_bytes,
             route.tag,
-            _varint(len(event_bytes)),
+            varint(len(event_bytes)),
             event_bytes,
         )
     )

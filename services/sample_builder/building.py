@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from harnessrl.events import varint
 from harnessrl.services.sample_builder.advantages import advantages
 from harnessrl.services.sample_builder.config import SampleBuilderSection
 from harnessrl.services.sample_builder.group import Episode, Group
@@ -195,13 +196,4 @@ def _packed(field: int, payload: bytes) -> bytes:
     """A packed repeated field on the wire: tag (length-delimited), length, payload."""
     if not payload:
         return b""
-    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+    return varint(field << 3 | 2) + varint(len(payload)) + payload

@@ -84,11 +84,6 @@ class SampleArrays:
         )
 
 
-def samples_of(groups: Sequence[pb.GroupSamples]) -> list[SampleArrays]:
-    """Every sample of `groups`, in order."""
-    return [SampleArrays.from_proto(s) for g in groups for s in g.samples]
-
-
 def normalization_weights(
     samples: Sequence[SampleArrays], mode: Normalization, *, constant_tokens: int
 ) -> list[Weights]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -19,7 +18,7 @@ from harnessrl.broker import EmbeddedBroker
 from harnessrl.telemetry.jsonl import JsonLinesSpanExporter, read_spans
 from harnessrl.telemetry.tracetree import episode_path, from_otlp, render
 from harnessrl.v1 import events_pb2 as pb
-from tests.helpers import eventually, read_topic, topic_size
+from tests.helpers import events_on, eventually
 from tests.integration.gateway_stack import running_stack
 from tests.integration.test_controller import _submit, _task, calc_model, controller
 from tests.integration.test_reward import reward_service
@@ -39,17 +38,6 @@ def spans_file(tmp_path: Path) -> Iterator[tuple[TracerProvider, Path]]:
     provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(path)))
     yield provider, path
     provider.shutdown()
-
-
-async def topic(broker: EmbeddedBroker, name: str) -> list[tuple[str, Any]]:
-    size = await topic_size(broker.bootstrap, name)
-    records = await read_topic(broker.bootstrap, name, size) if size else []
-    out = []
-    for record in records:
-        envelope = events.decode(name, record.value)
-        kind = envelope.WhichOneof("event")
-        out.append((kind, getattr(envelope, kind)))
-    return out
 
 
 async def test_every_answered_call_is_trained_or_accounted_for_and_traced_to_its_step(
@@ -95,13 +83,15 @@ async def test_every_answered_call_is_trained_or_accounted_for_and_traced_to_its
         await eventually(val_counted, timeout=60, interval=0.5)
         trained = set(training._trained)
 
-    calls = [e for kind, e in await topic(broker, events.CALLS) if kind == "model_call"]
+    calls = [
+        e for kind, e in await events_on(broker.bootstrap, events.CALLS) if kind == "model_call"
+    ]
     finals = {
         e.episode_id: e.attempt
-        for kind, e in await topic(broker, events.EPISODES)
+        for kind, e in await events_on(broker.bootstrap, events.EPISODES)
         if kind == "episode_finished" and e.final
     }
-    groups = {e.group_id: e for kind, e in await topic(broker, events.SAMPLES)}
+    groups = {e.group_id: e for kind, e in await events_on(broker.bootstrap, events.SAMPLES)}
     assert set(groups) == {"p-a", "p-b"}  # the val group is evaluated, never trained
     books: dict[str, int] = {}
     for call in calls:

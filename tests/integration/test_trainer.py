@@ -36,7 +36,7 @@ from harnessrl.services.trainer.packing import SampleArrays, normalization_weigh
 from harnessrl.services.trainer.policy import Policy
 from harnessrl.services.trainer.service import TrainerService
 from harnessrl.v1 import events_pb2 as pb
-from tests.helpers import FAST_GROUP, eventually, read_topic, topic_size
+from tests.helpers import FAST_GROUP, events_on, eventually
 from tests.integration.test_policy_follow import engine
 from tests.model_helpers import TINY
 
@@ -149,14 +149,7 @@ async def publish(broker: EmbeddedBroker, tmp_path: Path, *groups: pb.GroupSampl
 
 
 async def policy_events(broker: EmbeddedBroker) -> list[tuple[str, Any]]:
-    size = await topic_size(broker.bootstrap, events.POLICY)
-    records = await read_topic(broker.bootstrap, events.POLICY, size) if size else []
-    out = []
-    for record in records:
-        envelope = events.decode(events.POLICY, record.value)
-        kind = envelope.WhichOneof("event")
-        out.append((kind, getattr(envelope, kind)))
-    return out
+    return await events_on(broker.bootstrap, events.POLICY)
 
 
 def group_of(group_id: str, samples: list[pb.Sample], advantages: list[float]) -> pb.GroupSamples:

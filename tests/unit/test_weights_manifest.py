@@ -9,6 +9,7 @@ import pytest
 import torch
 import xxhash
 
+from harnessrl.events import varint
 from harnessrl.v1 import weights_pb2 as pb
 from harnessrl.weights import WeightSyncError, build_manifest, digest, verify_manifest
 from harnessrl.weights.checksums import ALGORITHMS, hasher, verify
@@ -18,7 +19,6 @@ from harnessrl.weights.chunks import (
     decode_chunk,
     encode_chunk,
     tensor_field,
-    varint,
 )
 from harnessrl.weights.manifest import byte_view, destinations, manifest_checksum
 from harnessrl.weights.store import snapshot

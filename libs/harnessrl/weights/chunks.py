@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from harnessrl.events import varint
 from harnessrl.weights.checksums import Verifier
 from harnessrl.weights.errors import WeightSyncError
 
@@ -38,16 +39,6 @@ class Chunk(NamedTuple):
     tensor: str
     offset: int
     data: memoryview
-
-
-def varint(value: int) -> bytes:
-    """The protobuf base-128 varint encoding of a non-negative integer."""
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def tensor_field(name: str) -> bytes:
