@@ -4,6 +4,7 @@ it, then Ctrl-C."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -122,6 +123,9 @@ async def test_up_starts_every_service_runs_an_episode_and_stops_cleanly_on_ctrl
         children = {pid for pid, _, _ in table.values()}
         assert children <= _descendants(process.pid)
         bootstrap = table["broker"][1].removeprefix("kafka ")
+        stack = json.loads((tmp_path / "up" / "stack.json").read_text())
+        assert stack["bootstrap"] == bootstrap
+        assert stack["services"]["trainer"]["url"] + "/healthz" == table["trainer"][2]
 
         tasks = tmp_path / "tasks.jsonl"
         tasks.write_text(SAMPLE.read_text().splitlines()[2] + "\n")  # one train task
@@ -151,3 +155,4 @@ async def test_up_starts_every_service_runs_an_episode_and_stops_cleanly_on_ctrl
     assert stop_order == SERVICES[::-1]
     assert not [pid for pid in everything if _alive(pid)]
     assert (tmp_path / "up" / "traces.jsonl").stat().st_size > 0
+    assert not (tmp_path / "up" / "stack.json").exists()

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harnessrl.broker import free_port
+from harnessrl.broker import free_ports
 from harnessrl.config import load_config
 
 LOCALHOST = "127.0.0.1"
@@ -58,9 +58,10 @@ def build_plan(config_file: Path | None, workdir: Path, telemetry_endpoint: str)
     gateway = load_config(GatewayConfig, config_file).gateway
     if controller.harness is None:
         raise UpError("controller.harness is not set: name the harness command in the config")
-    kafka_port = free_port()
+    # Every port distinct: picked one at a time, the kernel may hand out the same one twice.
+    kafka_port, weightsync_port, *service_ports = free_ports(2 + len(_SERVICES))
     bootstrap = f"{LOCALHOST}:{kafka_port}"
-    ports = {name: free_port() for name in _SERVICES}
+    ports = dict(zip(_SERVICES, service_ports, strict=True))
     shared = _shared_env(bootstrap, telemetry_endpoint, workdir)
     base = [sys.executable, "-m", "harnessrl"]
     config_args = ["--config", str(config_file)] if config_file is not None else []
@@ -78,7 +79,7 @@ def build_plan(config_file: Path | None, workdir: Path, telemetry_endpoint: str)
         "reward": {},
         "sample-builder": {},
         "trainer": {
-            "HARNESSRL_TRAINER__WEIGHTSYNC__PORT": str(free_port()),
+            "HARNESSRL_TRAINER__WEIGHTSYNC__PORT": str(weightsync_port),
             "HARNESSRL_TRAINER__CHECKPOINT_DIR": str(workdir / "trainer"),
         },
         "controller": {

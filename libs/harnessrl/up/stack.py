@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -13,6 +15,9 @@ from harnessrl.up.supervisor import Child
 
 READY_LINE = "harnessrl up: ready"
 """Printed, then the table of services, once every child answers /healthz."""
+STACK_FILE = "stack.json"
+"""Written into the work directory once every child is ready (removed at stop): where the
+broker, each service and the traces are, for tools that drive a running stack."""
 
 
 async def run_stack(
@@ -52,6 +57,7 @@ class Stack:
         self._view = view
         self._out = out
         self._traces = traces
+        self._stack_file = traces.parent / STACK_FILE
         self._children: list[Child] = []
         self._stop = asyncio.Event()
 
@@ -63,12 +69,14 @@ class Stack:
         try:
             if await self._start(ready_timeout_s):
                 self._out(ready_table(self._children, self._plan.bootstrap, self._traces))
+                write_stack_file(self._stack_file, self._children, self._plan, self._traces)
                 await self._watch()
             return 0
         except UpError as err:
             self._out(self._view.note(f"error: {err}"))
             return 1
         finally:
+            self._stack_file.unlink(missing_ok=True)
             await self._stop_all(grace_s)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
@@ -135,3 +143,21 @@ def ready_table(children: list[Child], bootstrap: str, traces: Path) -> str:
     lines.append(f"  kafka bootstrap {bootstrap}; traces in {traces}")
     lines.append("")
     return "\n".join(lines)
+
+
+def write_stack_file(path: Path, children: list[Child], plan: StackPlan, traces: Path) -> None:
+    """`STACK_FILE`: the bootstrap servers, the traces file, and each service's pid, base URL
+    (its /healthz and /metrics are below it) and address. Written atomically."""
+    services = {
+        c.spec.name: {
+            "pid": c.pid,
+            "url": c.spec.health_url.removesuffix("/healthz"),
+            "address": c.spec.address,
+        }
+        for c in children
+    }
+    data = {"pid": os.getpid(), "bootstrap": plan.bootstrap, "traces": str(traces)}
+    data["services"] = services
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(data, indent=2) + "\n")
+    partial.replace(path)
