@@ -67,15 +67,20 @@ class Batcher:
         tokens = sum(entry.tokens for entry in self._pending)
         return self._batch_tokens is not None and tokens >= self._batch_tokens and tokens > 0
 
-    def take(self) -> Batch:
-        """The next batch: the oldest `batch_groups` groups, or fewer once `batch_tokens`
-        tokens are reached."""
+    def take(self, version: int) -> Batch:
+        """The next batch at policy `version`: the oldest `batch_groups` groups, or fewer
+        once `batch_tokens` tokens are reached. Samples that grew more than `max_staleness`
+        versions old while they waited are dropped (counted) here too."""
         batch = Batch()
         while self._pending and len(batch.groups) < self._batch_groups:
             if self._batch_tokens is not None and batch.tokens >= self._batch_tokens:
                 break
             entry = self._pending.pop(0)
-            batch.samples.extend(entry.samples)
+            fresh = [
+                s for s in entry.samples if version - s.policy_version_min <= self._max_staleness
+            ]
+            self.dropped["stale"] += len(entry.samples) - len(fresh)
+            batch.samples.extend(fresh)
             batch.groups.extend(entry.groups)
-            batch.tokens += entry.tokens
+            batch.tokens += sum(len(s.token_ids) for s in fresh)
         return batch

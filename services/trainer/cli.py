@@ -26,7 +26,12 @@ def register(commands: Any) -> None:
     )
     parser.add_argument("--model", metavar="DIR", help="initial policy (trainer.model)")
     parser.add_argument("--checkpoint-dir", metavar="DIR", help="trainer.checkpoint_dir")
-    parser.add_argument("--max-steps", type=int, metavar="N", help="stop after N steps")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        metavar="N",
+        help="train N steps, then only serve the last version (trainer.max_steps)",
+    )
     add_kafka_options(parser)
     parser.set_defaults(run=run)
 

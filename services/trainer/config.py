@@ -83,7 +83,9 @@ class TrainerSection(ServiceSection):
     load_timeout_s: float = Field(default=600.0, gt=0)
     """sync: longest wait for the engines to load a version; then resume anyway (logged)."""
     max_steps: int | None = Field(default=None, ge=1)
-    """Stop (after a checkpoint) once this many steps are taken; None: run until stopped."""
+    """Training budget: after this many steps (checkpointed) the trainer stops consuming
+    samples and only serves the last version (WeightSync, /metrics) until it is stopped, so
+    engines can still fetch it and a restart does not train more. None: no budget."""
     weightsync: WeightSyncSettings = WeightSyncSettings()
     """The WeightSync gRPC server engines pull new versions from."""
     advertise_address: str | None = None

@@ -13,6 +13,7 @@ sample is trained twice, none is skipped.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -82,7 +83,8 @@ class TrainerService:
         self.metrics = TrainerMetrics(runtime.registry)
         self.ready = asyncio.Event()
         self.finished = asyncio.Event()
-        """Set once max_steps are taken (and checkpointed)."""
+        self._stop_consuming: Callable[[], Awaitable[None]] | None = None
+        """Set once max_steps are taken (and checkpointed); the trainer then only serves."""
 
     async def run(self) -> None:
         config, settings, runtime = self._config, self._settings, self._runtime
@@ -118,7 +120,8 @@ class TrainerService:
                 tracer=self._tracer,
             )
             consuming = asyncio.create_task(consumer.run(), name="consume hrl.samples")
-            stack.push_async_callback(stopper(consumer, consuming))
+            self._stop_consuming = stopper(consumer, consuming)
+            stack.push_async_callback(self._stop_consuming)
             training = asyncio.create_task(self._train(server, engines), name="train")
             stack.push_async_callback(self._finish, training)
             log.info(
@@ -211,11 +214,16 @@ class TrainerService:
                 return
             if not self._batcher.due:
                 continue
-            batch = self._batcher.take()
+            batch = self._batcher.take(self.version)
+            self._count_dropped()
             for group in batch.groups:
                 self._unsaved.extend(self._holds.pop(group.group_id, []))
             if self._batcher.pending_groups < 2 * settings.batch_groups:
                 self._room.set()
+            if not batch.samples:  # all of it grew stale while it waited
+                if self._batcher.due:
+                    self._due.set()
+                continue
             stats = await self._step(batch)
             self.step += 1
             self.version += 1
@@ -245,9 +253,14 @@ class TrainerService:
             )
             if self._batcher.due:
                 self._due.set()
-        log.info("max_steps reached: stopping", step=self.step)
+        # The budget is spent: no more samples are taken; the last version stays served
+        # (engines fetch it from this process) until the trainer is stopped.
+        assert self._stop_consuming is not None
+        await self._stop_consuming()
+        log.info(
+            "max_steps reached: serving the last version", step=self.step, version=self.version
+        )
         self.finished.set()
-        self._stopping.set()
 
     async def _step(self, batch: Batch) -> StepStats:
         assert self._policy is not None

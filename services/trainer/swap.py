@@ -75,7 +75,7 @@ class EngineWatch:
             left = deadline - time.monotonic()
             if left <= 0:
                 log.error(
-                    "engines did not load the version in time; resuming anyway",
+                    "engines did not load the version in time; going on",
                     version=version,
                     serving=self.serving(version),
                     expected=self._expected,

@@ -1,0 +1,35 @@
+"""The trainer's batcher: staleness is judged when a sample arrives and again when it is used."""
+
+from __future__ import annotations
+
+from harnessrl.services.trainer.batching import Batcher
+from harnessrl.v1 import events_pb2 as pb
+
+
+def group(group_id: str, version: int) -> pb.GroupSamples:
+    sample = pb.Sample(
+        sample_id=f"{group_id}/0",
+        episode_id=f"{group_id}-0",
+        token_ids=[1, 2, 3],
+        loss_mask=[False, True, True],
+        behavior_logprobs=[0.0, -0.5, -0.5],
+        advantage=1.0,
+        temperature=1.0,
+        policy_version_min=version,
+        policy_version_max=version,
+    )
+    return pb.GroupSamples(group_id=group_id, samples=[sample])
+
+
+def test_a_sample_that_grew_stale_while_waiting_is_dropped_when_the_batch_is_taken() -> None:
+    batcher = Batcher(batch_groups=1, batch_tokens=None, max_staleness=2)
+    assert batcher.add(group("old", 3), version=4, trained=set())  # 1 behind: taken
+    assert batcher.add(group("new", 5), version=5, trained=set())
+    assert not batcher.add(group("too-old", 1), version=5, trained=set())  # 4 behind
+    assert batcher.dropped["stale"] == 1
+    first = batcher.take(version=6)  # "old" is 3 behind now
+    assert [g.group_id for g in first.groups] == ["old"]
+    assert first.samples == [] and first.tokens == 0
+    assert batcher.dropped["stale"] == 2
+    second = batcher.take(version=6)
+    assert [s.sample_id for s in second.samples] == ["new/0"] and second.tokens == 3
