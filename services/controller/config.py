@@ -36,6 +36,12 @@ class HarnessSpec(Section):
     """Extra environment for the harness (never put credentials of the training side here)."""
     retryable_exit_codes: list[int] = [75]
     """Exit codes that mean "try again" (75 = EX_TEMPFAIL); retried as a new attempt."""
+    preload: list[str] = []
+    """Local runner, `python SCRIPT ...` commands only: modules a fork server (the
+    controller's own interpreter) imports once; each run is then forked from it instead of
+    started afresh, which saves the interpreter start and those imports (e.g. ["openai"]:
+    ~0.5 s of CPU per run). The run is otherwise the same: own session, directory,
+    environment, argv, stdio. Empty: every run is a fresh process."""
 
 
 class KubernetesSettings(Section):

@@ -158,6 +158,7 @@ class EpisodeRunner:
             env=env,
             timeout_s=job.harness.timeout_s,
             labels={"episode": job.episode_id, "attempt": str(attempt), "group": job.task.group_id},
+            preload=tuple(job.harness.preload),
         )
         try:
             run = await self.runner.launch(spec)

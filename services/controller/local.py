@@ -30,6 +30,7 @@ from typing import IO
 import orjson
 
 from harnessrl.logs import get_logger
+from harnessrl.services.controller.forkserver import ForkedProcess, ForkServer, forkable
 from harnessrl.services.controller.runner import (
     LaunchError,
     LaunchSpec,
@@ -65,7 +66,7 @@ class LocalRun:
         self.attempt = attempt
         self.workdir = workdir
         self.ref = ""
-        self._process: asyncio.subprocess.Process | None = None
+        self._process: asyncio.subprocess.Process | ForkedProcess | None = None
         self._result: RunResult | None = None
         self._done = asyncio.Event()
         self._killed: str | None = None
@@ -79,8 +80,21 @@ class LocalRun:
         self.workdir.mkdir(parents=True, exist_ok=True)
         inherited = {k: os.environ[k] for k in self._runner.inherit_env if k in os.environ}
         env = {**inherited, **spec.env, "HARNESSRL_OUTPUT": str(self.workdir / "result.json")}
+        forkserver = await self._runner.forkserver(spec)
+        if forkserver is not None:
+            try:
+                self._process = await forkserver.spawn(spec.command, self.workdir, env)
+            except OSError as err:
+                log.warning("fork server refused a run; executing it", error=str(err))
+        if self._process is None:
+            self._process = await self._exec(spec, env)
+        self.ref = str(self._process.pid)
+        self._runner.record(self)
+        self._task = asyncio.create_task(self._follow(spec.timeout_s))
+
+    async def _exec(self, spec: LaunchSpec, env: dict[str, str]) -> asyncio.subprocess.Process:
         try:
-            self._process = await asyncio.create_subprocess_exec(
+            return await asyncio.create_subprocess_exec(
                 *spec.command,
                 cwd=self.workdir,
                 env=env,
@@ -91,9 +105,6 @@ class LocalRun:
             )
         except OSError as err:
             raise LaunchError(f"cannot start {spec.command[0]!r}: {err}") from err
-        self.ref = str(self._process.pid)
-        self._runner.record(self)
-        self._task = asyncio.create_task(self._follow(spec.timeout_s))
 
     def abandoned(self, reason: str) -> None:
         """For a recovered run: it is already over, as far as this controller can know."""
@@ -176,7 +187,7 @@ class LocalRun:
             )
         )
 
-    async def _terminate(self, process: asyncio.subprocess.Process) -> None:
+    async def _terminate(self, process: asyncio.subprocess.Process | ForkedProcess) -> None:
         _killpg(process.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(process.wait(), self._runner.kill_grace_s)
@@ -239,6 +250,8 @@ class LocalRunner:
         self.result_cap_bytes = result_cap_bytes
         self.kill_grace_s = kill_grace_s
         self._runs: set[LocalRun] = set()
+        self._forkservers: dict[tuple[str, ...], ForkServer | None] = {}
+        self._forkserver_lock = asyncio.Lock()
 
     async def start(self) -> None:
         self.records.mkdir(parents=True, exist_ok=True)
@@ -246,6 +259,30 @@ class LocalRunner:
 
     async def stop(self) -> None:
         """Runs in progress keep running; a restarted controller recovers them."""
+        for server in self._forkservers.values():
+            if server is not None:
+                await server.stop()
+        self._forkservers.clear()
+
+    async def forkserver(self, spec: LaunchSpec) -> ForkServer | None:
+        """The fork server for `spec.preload`, started on first use; None when the spec
+        does not ask for one, its command is not `python SCRIPT ...`, or it cannot start."""
+        if not spec.preload or not forkable(spec.command):
+            return None
+        async with self._forkserver_lock:  # runs launched together share one server
+            return await self._forkserver(spec.preload)
+
+    async def _forkserver(self, preload: tuple[str, ...]) -> ForkServer | None:
+        if preload not in self._forkservers:
+            started: ForkServer | None = ForkServer(list(preload))
+            try:
+                await started.start()  # type: ignore[union-attr]
+            except (OSError, RuntimeError) as err:
+                log.error("fork server failed to start; executing runs", error=str(err))
+                started = None
+            self._forkservers[preload] = started
+        server = self._forkservers[preload]
+        return server if server is not None and server.alive else None
 
     async def launch(self, spec: LaunchSpec) -> Run:
         run = LocalRun(

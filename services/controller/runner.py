@@ -39,6 +39,8 @@ class LaunchSpec:
     """Wall-clock limit; past it the run is terminated (grace, then killed)."""
     labels: Mapping[str, str] = field(default_factory=dict)
     """Labels identifying the run (episode, attempt, group), for runners that keep them."""
+    preload: tuple[str, ...] = ()
+    """Local runner: modules its fork server imports (HarnessSpec.preload)."""
 
 
 @dataclass(frozen=True, slots=True)
