@@ -1,0 +1,1 @@
+"""harnessrl experiment: evaluate, train for a fixed budget, evaluate again, report."""

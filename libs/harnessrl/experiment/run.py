@@ -1,0 +1,413 @@
+"""One experiment: evaluate the base policy, train for a fixed budget, evaluate again.
+
+Everything goes through a running stack (started here with `harnessrl up`, or one already
+running, found by its stack file) and through its topics, as any client would: val tasks
+are submitted as MODE_VAL groups and measured by their rewards; train tasks are submitted
+a few groups ahead of the controller until the trainer has taken `steps` steps (its
+`max_steps`, so the budget is the trainer's own); the second evaluation waits until every
+engine serves the last version. The report and the figures come from the topics and from
+the services' /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import itertools
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from harnessrl.experiment.ledger import KINDS, TRAIN, VAL_AFTER, VAL_BEFORE, Ledger
+from harnessrl.experiment.scrape import scrape
+from harnessrl.logs import get_logger
+from harnessrl.tasks import TaskLine
+
+log = get_logger(__name__)
+
+
+class ExperimentError(RuntimeError):
+    """The experiment could not run to its end; the message says where and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    run_dir: Path
+    train: list[TaskLine]
+    val: list[TaskLine]
+    steps: int
+    config: Path | None = None
+    """`harnessrl up` config: start a stack for this run (in run_dir/stack)."""
+    stack_file: Path | None = None
+    """Or: the stack file of a running `harnessrl up`."""
+    group_size: int | None = None
+    """Episodes per train task (default: the task file's, else the controller's)."""
+    val_group_size: int = 1
+    backlog: int = 2
+    """Train groups submitted ahead of the ones finished."""
+    max_train_minutes: float = 30.0
+    phase_timeout_s: float = 900.0
+    ready_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Stack:
+    bootstrap: str
+    traces: Path
+    urls: dict[str, str]
+    failure: Callable[[], str | None] = lambda: None
+    """Why the stack is gone, once it is (None while it runs)."""
+
+
+async def run_experiment(options: Options, progress: IO[str]) -> dict[str, Any]:
+    """Run it; returns the metrics the report is drawn from (see report.write_report)."""
+    options.run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    main = asyncio.current_task()
+    assert main is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
+    async with _stack(options, progress) as stack:
+        ledger = Ledger()
+        async with _bus(stack, ledger) as (publish, changed):
+            experiment = _Experiment(
+                options, stack, ledger, publish=publish, changed=changed, progress=progress
+            )
+            metrics = await experiment.run()
+    metrics.update(run_id=options.run_dir.name, config=str(options.config or ""))
+    metrics["started_at"] = started
+    metrics["summary"]["minutes"] = round((time.time() - started) / 60, 2)
+    return metrics
+
+
+class _Experiment:
+    def __init__(
+        self,
+        options: Options,
+        stack: Stack,
+        ledger: Ledger,
+        *,
+        publish: Any,
+        changed: asyncio.Event,
+        progress: IO[str],
+    ) -> None:
+        self.options, self.stack, self.ledger = options, stack, ledger
+        self._publish, self._changed, self._progress = publish, changed, progress
+        self._step_metrics: dict[int, dict[str, Any]] = {}
+        self._trainer_scrape: dict[str, Any] = {}
+
+    async def run(self) -> dict[str, Any]:
+        await self._evaluate(VAL_BEFORE, "val (base)")
+        train_started = time.time()
+        await self._train()
+        await self._wait_engines()
+        await self._evaluate(VAL_AFTER, f"val (v{self.ledger.version})")
+        return await self._metrics(train_started)
+
+    async def _evaluate(self, phase: str, label: str) -> None:
+        for task in self.options.val:
+            await self._submit(task, phase, self.options.val_group_size)
+        total = sum(g.size for g in self.ledger.phase(phase))
+        deadline = time.monotonic() + self.options.phase_timeout_s
+        bar = _Bar(label, total, self._progress)
+        while self.ledger.outstanding(phase):
+            if time.monotonic() > deadline:
+                raise ExperimentError(f"{label}: not every episode was rewarded in time")
+            await self._wait()
+            done = self.ledger.episodes_done(phase)
+            bar.draw(len(done), f"success {_mean([e.reward or 0.0 for e in done]):.2f}")
+        bar.close()
+
+    async def _train(self) -> None:
+        options, ledger = self.options, self.ledger
+        tasks = itertools.cycle(options.train)
+        deadline = time.monotonic() + options.max_train_minutes * 60
+        bar = _Bar("train", options.steps, self._progress, unit="steps")
+        seen = 0
+        while ledger.step < options.steps:
+            if time.monotonic() > deadline:
+                log.warning("training time budget spent", steps=ledger.step)
+                break
+            while ledger.outstanding(TRAIN) < options.backlog:
+                task = next(tasks)
+                await self._submit(task, TRAIN, options.group_size or task.group_size or 0)
+            await self._wait()
+            if len(ledger.steps) > seen:
+                seen = len(ledger.steps)
+                await self._scrape_step()
+            episodes = ledger.episodes_done(TRAIN)
+            recent = [e.reward or 0.0 for e in episodes[-64:]]
+            bar.draw(
+                ledger.step,
+                f"episodes {len(episodes)}  reward {_mean(recent):.2f} (last {len(recent)})"
+                f"  policy v{ledger.version}",
+            )
+        bar.close()
+
+    async def _wait_engines(self) -> None:
+        deadline = time.monotonic() + self.options.phase_timeout_s
+        while not self.ledger.engines_serve(self.ledger.version):
+            if time.monotonic() > deadline:
+                raise ExperimentError(f"engines did not load version {self.ledger.version}")
+            await self._wait()
+
+    async def _submit(self, task: TaskLine, phase: str, size: int) -> None:
+        from harnessrl.tasks import new_group_id, to_event
+
+        if phase != TRAIN:
+            task = task.model_copy(update={"split": "val"})
+        group_id = new_group_id()
+        event = to_event(task.model_copy(update={"group_size": size or None}), group_id)
+        self.ledger.submitted(group_id, task.task_id, phase, event.group_size or size or 1)
+        await self._publish(event)
+
+    async def _wait(self) -> None:
+        failure = self.stack.failure()
+        if failure is not None:
+            raise ExperimentError(failure)
+        self._changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), 1.0)
+
+    async def _scrape_step(self) -> None:
+        """The trainer's gauges describe its last step: read them as soon as it is seen."""
+        step = self.ledger.steps[-1]
+        try:
+            scraped = await scrape(self.stack.urls["trainer"])
+        except OSError as err:
+            log.warning("trainer metrics unreadable", error=repr(err))
+            return
+        self._trainer_scrape = scraped
+        self._step_metrics[step.step] = scraped["step"]
+
+    async def _metrics(self, train_started: float) -> dict[str, Any]:
+        ledger = self.ledger
+        steps = [
+            {
+                "t": round(s.at - train_started, 3),
+                "step": s.step,
+                "version": s.version,
+                **self._step_metrics.get(s.step, {}),
+            }
+            for s in ledger.steps
+            if s.step > 0
+        ]
+        builder = await _scrape_or_empty(self.stack.urls.get("sample-builder"))
+        trainer = self._trainer_scrape or {"staleness": {}, "dropped": {}}
+        before, after = ledger.evaluation(VAL_BEFORE), ledger.evaluation(VAL_AFTER)
+        episodes = len(ledger.episodes_done(TRAIN))
+        return {
+            "val_before": before,
+            "val_after": after,
+            "train": {
+                "episodes": ledger.train_episodes(train_started),
+                "calls": ledger.train_calls(train_started),
+                "steps": steps,
+                "staleness": {
+                    "histogram": trainer["staleness"],
+                    "dropped_stale": int(trainer["dropped"].get("stale", 0)),
+                },
+                "groups": builder.get("groups", {}),
+                "merge": dict(ledger.merge),
+            },
+            "summary": {
+                "val_before": before["success"],
+                "val_after": after["success"],
+                "episodes": episodes,
+                "steps": ledger.step,
+            },
+            "trace_hint": "",
+            "sampled_episodes": ledger.sampled_episodes()[:50],
+        }
+
+
+async def _scrape_or_empty(url: str | None) -> dict[str, Any]:
+    if url is None:
+        return {}
+    try:
+        return await scrape(url)
+    except OSError as err:
+        log.warning("metrics unreadable", url=url, error=repr(err))
+        return {}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+class _Bar:
+    """A progress line: redrawn in place on a terminal, else printed every few seconds."""
+
+    def __init__(self, label: str, total: int, stream: IO[str], unit: str = "episodes") -> None:
+        self._label, self._total, self._unit, self._stream = label, total, unit, stream
+        self._tty = stream.isatty()
+        self._started = self._last = time.monotonic()
+        self._text = ""
+
+    def draw(self, done: int, note: str) -> None:
+        width = 24
+        filled = width * min(done, self._total) // max(self._total, 1)
+        elapsed = time.monotonic() - self._started
+        self._text = (
+            f"{self._label:<12} [{'#' * filled}{'.' * (width - filled)}] {done}/{self._total} "
+            f"{self._unit}  {note}  {int(elapsed) // 60}m{int(elapsed) % 60:02d}s"
+        )
+        now = time.monotonic()
+        if self._tty:
+            self._stream.write("\r" + self._text + "\x1b[K")
+            self._stream.flush()
+        elif now - self._last >= 10:
+            self._last = now
+            self._stream.write(self._text + "\n")
+            self._stream.flush()
+
+    def close(self) -> None:
+        self._stream.write(("\r" if self._tty else "") + self._text + "\n")
+        self._stream.flush()
+
+
+# --- the stack and the bus -------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _stack(options: Options, progress: IO[str]) -> AsyncIterator[Stack]:
+    if options.stack_file is not None:
+        yield _read_stack(options.stack_file)
+        return
+    workdir = options.run_dir / "stack"
+    workdir.mkdir(parents=True, exist_ok=True)
+    stack_file = workdir / "stack.json"
+    stack_file.unlink(missing_ok=True)
+    log_path = options.run_dir / "up.log"
+    argv = [sys.executable, "-m", "harnessrl", "up", "--workdir", str(workdir)]
+    if options.config is not None:
+        argv += ["--config", str(options.config)]
+    env = {**os.environ, "NO_COLOR": "1", "HARNESSRL_TRAINER__MAX_STEPS": str(options.steps)}
+    progress.write(f"starting the stack (harnessrl up; its log: {log_path})\n")
+    progress.flush()
+    with log_path.open("ab") as log_file:
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdout=log_file,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            preexec_fn=_stop_with_parent,  # one prctl call: async-signal-safe enough
+        )
+    try:
+        deadline = time.monotonic() + options.ready_timeout_s
+        while not stack_file.exists():
+            if process.returncode is not None or time.monotonic() > deadline:
+                tail = log_path.read_text(errors="replace").splitlines()[-15:]
+                raise ExperimentError("the stack did not start:\n" + "\n".join(tail))
+            await asyncio.sleep(0.2)
+
+        def failure() -> str | None:
+            if process.returncode is None:
+                return None
+            tail = log_path.read_text(errors="replace").splitlines()[-15:]
+            return f"the stack stopped (exit {process.returncode}):\n" + "\n".join(tail)
+
+        stack = dataclasses.replace(_read_stack(stack_file), failure=failure)
+        progress.write(f"stack ready: kafka {stack.bootstrap}, traces {stack.traces}\n")
+        yield stack
+    finally:
+        await _stop(process)
+
+
+def _stop_with_parent() -> None:
+    """In `up` before exec: SIGTERM it (an orderly stop) when the experiment dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def _read_stack(path: Path) -> Stack:
+    try:
+        data = json.loads(path.read_text())
+        return Stack(
+            bootstrap=data["bootstrap"],
+            traces=Path(data["traces"]),
+            urls={name: s["url"] for name, s in data["services"].items()},
+        )
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ExperimentError(f"{path}: not a harnessrl up stack file ({err!r})") from None
+
+
+async def _stop(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            await asyncio.wait_for(process.wait(), 90)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def _bus(stack: Stack, ledger: Ledger) -> AsyncIterator[tuple[Any, asyncio.Event]]:
+    """A producer for tasks, and a follower feeding every relevant event to `ledger`."""
+    from harnessrl.bus import Producer
+    from harnessrl.config import KafkaSettings, ProducerSettings
+
+    kafka = KafkaSettings(bootstrap_servers=stack.bootstrap)
+    changed = asyncio.Event()
+    with tempfile.TemporaryDirectory(prefix="harnessrl-experiment-") as spill:
+        producer = Producer(
+            kafka, ProducerSettings(spill_dir=Path(spill), wal=False), name="experiment/0"
+        )
+        await producer.start()
+        follower = asyncio.create_task(_follow(kafka, ledger, changed), name="follow topics")
+
+        async def publish(event: Any) -> None:
+            await producer.publish(event)
+
+        try:
+            yield publish, changed
+        finally:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+            await producer.stop(timeout=5.0)
+
+
+async def _follow(kafka: Any, ledger: Ledger, changed: asyncio.Event) -> None:
+    from aiokafka import AIOKafkaConsumer
+
+    from harnessrl import events
+    from harnessrl.bus import client_kwargs
+
+    topics = [events.EPISODES, events.CALLS, events.REWARDS, events.SAMPLES, events.POLICY]
+    consumer = AIOKafkaConsumer(
+        **client_kwargs(kafka, "harnessrl-experiment"),
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    await consumer.start()
+    try:
+        consumer.subscribe(topics)
+        while True:
+            batch = await consumer.getmany(timeout_ms=500)
+            for records in batch.values():
+                for record in records:
+                    _apply(ledger, record, events)
+            if batch:
+                changed.set()
+    finally:
+        await consumer.stop()
+
+
+def _apply(ledger: Ledger, record: Any, events: Any) -> None:
+    try:
+        meta, kind, event = events.unwrap(events.decode(record.topic, record.value))
+    except events.DecodeError:
+        return  # the services dead-letter what they cannot read; nothing to measure here
+    if kind in KINDS:
+        ledger.apply(kind, event, meta.created_at.ToMicroseconds() / 1e6 or time.time())
