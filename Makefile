@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # for torch>=2.4, which that satisfies, so pip never pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: venv protos lint test bench-bus clean
+.PHONY: venv protos lint test demo bench-bus clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,17 @@ lint: venv
 
 test: lint
 	$(BIN)/python -m pytest
+
+# The calculator demo: measure the pretrained tiny model on val tasks through the harness,
+# train it DEMO_STEPS steps with RL through that harness, measure again, write
+# runs/<run-id>/report.html. The last line printed is the JSON summary.
+DEMO_STEPS ?= 24
+demo: venv
+	mkdir -p runs
+	$(BIN)/python examples/calculator/tasks.py --split train --n 3000 --seed 1 > runs/calculator-train.jsonl
+	$(BIN)/python examples/calculator/tasks.py --split val --n 100 > runs/calculator-val.jsonl
+	$(BIN)/harnessrl experiment --config examples/calculator/demo.yaml \
+		--train runs/calculator-train.jsonl --val runs/calculator-val.jsonl --steps $(DEMO_STEPS)
 
 bench-bus: venv
 	$(BIN)/harnessrl bench bus
