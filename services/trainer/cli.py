@@ -30,7 +30,8 @@ def register(commands: Any) -> None:
         "--max-steps",
         type=int,
         metavar="N",
-        help="train N steps, then only serve the last version (trainer.max_steps)",
+        help="train N steps, then exit (trainer.max_steps; trainer.at_max_steps: serve keeps "
+        "serving the last version instead)",
     )
     add_kafka_options(parser)
     parser.set_defaults(run=run)

@@ -83,9 +83,12 @@ class TrainerSection(ServiceSection):
     load_timeout_s: float = Field(default=600.0, gt=0)
     """sync: longest wait for the engines to load a version; then resume anyway (logged)."""
     max_steps: int | None = Field(default=None, ge=1)
-    """Training budget: after this many steps (checkpointed) the trainer stops consuming
-    samples and only serves the last version (WeightSync, /metrics) until it is stopped, so
-    engines can still fetch it and a restart does not train more. None: no budget."""
+    """Training budget: after this many steps (checkpointed) the trainer stops taking
+    samples and does what at_max_steps says. None: no budget."""
+    at_max_steps: Literal["exit", "serve"] = "exit"
+    """exit: the process ends (a batch job); serve: it goes on serving the last version
+    (WeightSync, /metrics) until stopped, so engines can still fetch it and a restarted
+    trainer trains no further (a long-running deployment, `harnessrl experiment`)."""
     weightsync: WeightSyncSettings = WeightSyncSettings()
     """The WeightSync gRPC server engines pull new versions from."""
     advertise_address: str | None = None

@@ -253,14 +253,17 @@ class TrainerService:
             )
             if self._batcher.due:
                 self._due.set()
-        # The budget is spent: no more samples are taken; the last version stays served
-        # (engines fetch it from this process) until the trainer is stopped.
+        self.finished.set()
+        if settings.at_max_steps == "exit":
+            log.info("max_steps reached: stopping", step=self.step, version=self.version)
+            self._stopping.set()
+            return
+        # The last version stays served (engines fetch it from this process) until stopped.
         assert self._stop_consuming is not None
         await self._stop_consuming()
         log.info(
             "max_steps reached: serving the last version", step=self.step, version=self.version
         )
-        self.finished.set()
 
     async def _step(self, batch: Batch) -> StepStats:
         assert self._policy is not None

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "examples" / "tiny-model"
-SOURCES = {"build.py", "README.md"}
+SOURCES = {"build.py", "pretrain.py", "README.md"}
 
 CALCULATOR = {
     "type": "function",

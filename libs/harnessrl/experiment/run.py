@@ -290,7 +290,12 @@ async def _stack(options: Options, progress: IO[str]) -> AsyncIterator[Stack]:
     argv = [sys.executable, "-m", "harnessrl", "up", "--workdir", str(workdir)]
     if options.config is not None:
         argv += ["--config", str(options.config)]
-    env = {**os.environ, "NO_COLOR": "1", "HARNESSRL_TRAINER__MAX_STEPS": str(options.steps)}
+    env = {
+        **os.environ,
+        "NO_COLOR": "1",
+        "HARNESSRL_TRAINER__MAX_STEPS": str(options.steps),
+        "HARNESSRL_TRAINER__AT_MAX_STEPS": "serve",  # the engine fetches the last version
+    }
     progress.write(f"starting the stack (harnessrl up; its log: {log_path})\n")
     progress.flush()
     with log_path.open("ab") as log_file:
