@@ -1,0 +1,591 @@
+"""The kustomize tree under deploy/k8s: each overlay renders (`kubectl kustomize`, offline),
+and what it renders is what the services, the controller's runner and Kubernetes accept."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from harnessrl.cli import build_parser
+from harnessrl.config import ServiceConfig, load_config
+from harnessrl.services.controller.config import ControllerConfig
+from harnessrl.services.controller.kubernetes_job import JobTemplate
+from harnessrl.services.controller.runner import LaunchSpec
+from harnessrl.services.gateway.config import GatewayConfig
+from harnessrl.services.inference.config import InferenceConfig
+from harnessrl.services.reward.config import RewardConfig
+from harnessrl.services.sample_builder.config import SampleBuilderConfig
+from harnessrl.services.trainer.config import TrainerConfig
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("kubectl") is None,
+    reason="kubectl is not on PATH: the overlays are rendered with `kubectl kustomize`",
+)
+
+Obj = dict[str, Any]
+
+ROOT = Path(__file__).resolve().parents[2]
+OVERLAYS = ("external-kafka", "strimzi")
+NAMESPACE = "harnessrl"
+PART_OF = "app.kubernetes.io/part-of"
+HARNESS_SELECTOR = {"app.kubernetes.io/component": "harness"}
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+STRIMZI_GROUP = "kafka.strimzi.io/"
+WORKLOADS = ("Deployment", "StatefulSet")
+
+# The service each `harnessrl <command>` runs: its config class and its section in it.
+SERVICES: dict[str, tuple[type[ServiceConfig], str]] = {
+    "controller": (ControllerConfig, "controller"),
+    "gateway": (GatewayConfig, "gateway"),
+    "inference": (InferenceConfig, "inference"),
+    "reward": (RewardConfig, "reward"),
+    "sample-builder": (SampleBuilderConfig, "sample_builder"),
+    "trainer": (TrainerConfig, "trainer"),
+}
+EXPECTED_WORKLOADS = {
+    ("Deployment", "controller"),
+    ("Deployment", "reward"),
+    ("Deployment", "sample-builder"),
+    ("Deployment", "trainer"),
+    ("Deployment", "inference"),
+    ("StatefulSet", "gateway"),
+}
+# The controller's whole grant: (API group, resource, verb).
+ROLE_GRANTS = {
+    *(("batch", "jobs", v) for v in ("create", "get", "list", "watch", "delete")),
+    *(("", "pods", v) for v in ("get", "list", "watch")),
+    ("", "pods/log", "get"),
+}
+SAMPLE = {
+    "EPISODE_ID": "ep-g1-0",
+    "ATTEMPT": "0",
+    "GROUP_ID": "g1",
+    "TASK_ID": "task-1",
+    "JOB_NAME": "hrl-ep-g1-0-0",
+}
+SAMPLE_COMMAND = ["python", "harness.py", "--task", "it's $HOME"]
+POD_FIELDS = {"status.podIP": "10.1.2.3", "metadata.name": "pod-0"}
+
+
+@functools.cache
+def _render(overlay: str) -> tuple[Obj, ...]:
+    done = subprocess.run(
+        ["kubectl", "kustomize", str(ROOT / "deploy" / "k8s" / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, f"kubectl kustomize {overlay} failed:\n{done.stderr}"
+    return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc is not None)
+
+
+@pytest.fixture(params=OVERLAYS)
+def overlay(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def objects(overlay: str) -> tuple[Obj, ...]:
+    return _render(overlay)
+
+
+def kinds(objects: tuple[Obj, ...], kind: str) -> list[Obj]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def named(objects: tuple[Obj, ...], kind: str, name: str) -> Obj:
+    found = [o for o in kinds(objects, kind) if o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+def config_map(objects: tuple[Obj, ...], name: str) -> Obj:
+    """A ConfigMap by its name before kustomize's hash suffix (or its exact name)."""
+    found = [
+        o
+        for o in kinds(objects, "ConfigMap")
+        if re.fullmatch(rf"{re.escape(name)}(-[a-z0-9]{{10}})?", o["metadata"]["name"])
+    ]
+    assert len(found) == 1, f"expected one ConfigMap {name}, found {len(found)}"
+    return found[0]
+
+
+def workloads(objects: tuple[Obj, ...]) -> Iterator[tuple[Obj, Obj]]:
+    """(workload, pod spec) of every Deployment and StatefulSet."""
+    for obj in objects:
+        if obj["kind"] in WORKLOADS:
+            yield obj, obj["spec"]["template"]["spec"]
+
+
+def containers(pod: Obj) -> list[Obj]:
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+def cli_commands() -> set[str]:
+    """The subcommands `harnessrl` knows, from its own parser."""
+    parser = build_parser()
+    names: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            names |= set(action.choices)
+    assert names, "harnessrl's parser has no subcommands"
+    return names
+
+
+def command_of(container: Obj) -> str:
+    """The harnessrl subcommand a container runs (the image's entrypoint is `harnessrl`)."""
+    words = [*container.get("command", []), *container.get("args", [])]
+    if container.get("command"):
+        assert words[0] == "harnessrl", f"{container['name']} runs {words[0]!r}, not harnessrl"
+        words = words[1:]
+    assert words, f"{container['name']} names no harnessrl command"
+    return str(words[0])
+
+
+def port_number(container: Obj, port: int | str) -> int:
+    if isinstance(port, int):
+        return port
+    numbers = [p["containerPort"] for p in container.get("ports", []) if p.get("name") == port]
+    assert numbers, f"{container['name']} has no port named {port!r}"
+    return int(numbers[0])
+
+
+def harnessrl_yaml(objects: tuple[Obj, ...]) -> str:
+    return str(config_map(objects, "harnessrl-config")["data"]["harnessrl.yaml"])
+
+
+def secret_value(objects: tuple[Obj, ...], name: str, key: str) -> str:
+    secret = named(objects, "Secret", name)
+    if key in secret.get("stringData", {}):
+        return str(secret["stringData"][key])
+    return base64.b64decode(secret["data"][key]).decode()
+
+
+def container_env(objects: tuple[Obj, ...], container: Obj) -> dict[str, str]:
+    """The environment Kubernetes gives `container`: envFrom, then env with $(VAR) expanded."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        ref = source["configMapRef"]["name"]
+        found = [o for o in kinds(objects, "ConfigMap") if o["metadata"]["name"] == ref]
+        assert found, f"{container['name']}: envFrom ConfigMap {ref} is not rendered"
+        env.update({k: str(v) for k, v in found[0]["data"].items()})
+    for entry in container.get("env", []):
+        if "value" in entry:
+            env[entry["name"]] = re.sub(
+                r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), entry["value"]
+            )
+            continue
+        source = entry["valueFrom"]
+        if "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            env[entry["name"]] = secret_value(objects, ref["name"], ref["key"])
+        elif "fieldRef" in source:
+            env[entry["name"]] = POD_FIELDS[source["fieldRef"]["fieldPath"]]
+        else:
+            raise AssertionError(f"{container['name']}: unexpected env source {source}")
+    return env
+
+
+def mounted_file(objects: tuple[Obj, ...], pod: Obj, container: Obj, path: str) -> str:
+    """The text of the ConfigMap key mounted at `path` in `container`."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        directory = mount["mountPath"].rstrip("/")
+        if path.startswith(directory + "/") and "subPath" not in mount:
+            volume = volumes[mount["name"]]
+            assert "configMap" in volume, f"{path} is on volume {mount['name']}, not a ConfigMap"
+            ref = volume["configMap"]["name"]
+            found = [o for o in kinds(objects, "ConfigMap") if o["metadata"]["name"] == ref]
+            assert found, f"ConfigMap {ref} (mounted at {directory}) is not rendered"
+            key = path[len(directory) + 1 :]
+            assert key in found[0]["data"], f"{ref} has no key {key} for {path}"
+            return str(found[0]["data"][key])
+    raise AssertionError(f"nothing is mounted at {path} in {container['name']}")
+
+
+def load_service_config(
+    objects: tuple[Obj, ...],
+    pod: Obj,
+    container: Obj,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> ServiceConfig:
+    """Load the container's service config exactly as it would in the pod: the mounted
+    $HARNESSRL_CONFIG plus its environment (and nothing of this test process's)."""
+    cls, _ = SERVICES[command_of(container)]
+    env = container_env(objects, container)
+    config_path = env.pop("HARNESSRL_CONFIG", None)
+    assert config_path, f"{container['name']}: HARNESSRL_CONFIG is not set"
+    local = tmp_path / f"{container['name']}.yaml"
+    local.write_text(mounted_file(objects, pod, container, config_path))
+    with monkeypatch.context() as patch:
+        for name in list(os.environ):
+            if name.startswith("HARNESSRL_"):
+                patch.delenv(name)
+        for name, value in env.items():
+            patch.setenv(name, value)
+        return load_config(cls, local)
+
+
+def service_ports(objects: tuple[Obj, ...]) -> dict[str, set[int]]:
+    return {
+        s["metadata"]["name"]: {p["port"] for p in s["spec"]["ports"]}
+        for s in kinds(objects, "Service")
+    }
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def fill_placeholders(text: str) -> str:
+    """The job template with sample values, substituted as text (placeholder by placeholder)."""
+    text = re.sub(r"(?<!\$)\$\{COMMAND_JSON\}", lambda _: json.dumps(SAMPLE_COMMAND), text)
+    for name, value in SAMPLE.items():
+        text = re.sub(rf"(?<!\$)\$\{{{name}\}}", lambda _, v=value: v, text)
+    return text
+
+
+def placeholders(node: Any) -> set[str]:
+    """The ${NAME} placeholders in a parsed document's strings ($${NAME} is a literal)."""
+    if isinstance(node, dict):
+        return set().union(*map(placeholders, node.values()), set())
+    if isinstance(node, list):
+        return set().union(*map(placeholders, node), set())
+    if isinstance(node, str):
+        return set(re.findall(r"(?<!\$)\$\{(\w+)\}", node))
+    return set()
+
+
+def job_template_text(objects: tuple[Obj, ...]) -> str:
+    return str(config_map(objects, "harnessrl-job-template")["data"]["job.yaml"])
+
+
+def rendered_job(objects: tuple[Obj, ...]) -> Obj:
+    """The Job the controller's runner makes from the template for one sample attempt."""
+    template = JobTemplate.parse(job_template_text(objects), NAMESPACE, source="job.yaml")
+    spec = LaunchSpec(
+        episode_id=SAMPLE["EPISODE_ID"],
+        attempt=int(SAMPLE["ATTEMPT"]),
+        group_id=SAMPLE["GROUP_ID"],
+        task_id=SAMPLE["TASK_ID"],
+        command=tuple(SAMPLE_COMMAND),
+        env={"OPENAI_BASE_URL": "http://gateway:8000/e/tok/v1", "OPENAI_API_KEY": "tok"},
+        timeout_s=600.0,
+    )
+    return template.render(spec, namespace=NAMESPACE, ttl_seconds=600)
+
+
+# -- rendering, labels, namespace ---------------------------------------------------------
+
+
+def test_overlay_renders_every_service(objects: tuple[Obj, ...]) -> None:
+    assert {(o["kind"], o["metadata"]["name"]) for o in objects if o["kind"] in WORKLOADS} == (
+        EXPECTED_WORKLOADS
+    )
+    named(objects, "Namespace", NAMESPACE)
+    named(objects, "NetworkPolicy", "harness-egress")
+    for name in ("controller", "gateway", "gateway-headless", "inference", "reward"):
+        named(objects, "Service", name)
+    for name in ("sample-builder", "trainer"):
+        named(objects, "Service", name)
+    assert named(objects, "Service", "gateway-headless")["spec"]["clusterIP"] == "None"
+    gateway = named(objects, "StatefulSet", "gateway")
+    assert gateway["spec"]["serviceName"] == "gateway-headless"
+
+
+def test_every_object_is_part_of_harnessrl_in_its_namespace(objects: tuple[Obj, ...]) -> None:
+    for obj in objects:
+        meta = obj["metadata"]
+        what = f"{obj['kind']} {meta['name']}"
+        assert (meta.get("labels") or {}).get(PART_OF) == "harnessrl", f"{what}: no {PART_OF}"
+        if obj["kind"] in CLUSTER_SCOPED:
+            assert "namespace" not in meta, f"{what} is cluster-scoped"
+        else:
+            assert meta.get("namespace") == NAMESPACE, f"{what} is not in {NAMESPACE}"
+    for workload, _ in workloads(objects):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert labels.get(PART_OF) == "harnessrl", f"{workload['metadata']['name']}'s pods"
+
+
+def test_secret_holds_only_marked_placeholders(objects: tuple[Obj, ...]) -> None:
+    secret = named(objects, "Secret", "harnessrl-secrets")
+    assert set(secret["stringData"]) == {"token-secret", "admin-token"}
+    for key, value in secret["stringData"].items():
+        assert value.startswith("REPLACE-ME"), f"{key} must be a marked placeholder"
+
+
+# -- RBAC --------------------------------------------------------------------------------
+
+
+def test_controller_role_grants_exactly_jobs_pods_and_logs(objects: tuple[Obj, ...]) -> None:
+    assert not kinds(objects, "ClusterRole") and not kinds(objects, "ClusterRoleBinding")
+    roles = kinds(objects, "Role")
+    assert len(roles) == 1
+    role = roles[0]
+    grants = set()
+    for rule in role["rules"]:
+        assert set(rule) <= {"apiGroups", "resources", "verbs"}, f"unexpected rule keys {rule}"
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    assert "*" not in (group, resource, verb), f"wildcard in {rule}"
+                    grants.add((group, resource, verb))
+    assert grants == ROLE_GRANTS
+
+    (binding,) = kinds(objects, "RoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    (subject,) = binding["subjects"]
+    assert subject["kind"] == "ServiceAccount"
+    assert subject.get("namespace", NAMESPACE) == NAMESPACE
+    named(objects, "ServiceAccount", subject["name"])
+    # Only the controller runs as it; every other pod gets no API token at all.
+    for workload, pod in workloads(objects):
+        if workload["metadata"]["name"] == "controller":
+            assert pod["serviceAccountName"] == subject["name"]
+        else:
+            assert pod.get("serviceAccountName") in (None, "default")
+            assert pod.get("automountServiceAccountToken") is False
+
+
+# -- NetworkPolicy -----------------------------------------------------------------------
+
+
+def test_harness_pods_may_reach_only_the_gateway_port_and_dns(objects: tuple[Obj, ...]) -> None:
+    policies = [
+        p
+        for p in kinds(objects, "NetworkPolicy")
+        if p["spec"]["podSelector"].get("matchLabels") == HARNESS_SELECTOR
+    ]
+    assert len(policies) == 1
+    spec = policies[0]["spec"]
+    assert set(spec["podSelector"]) == {"matchLabels"}
+    assert sorted(spec["policyTypes"]) == ["Egress", "Ingress"]
+    assert not spec.get("ingress"), "harness pods accept no connections"
+
+    gateway = named(objects, "StatefulSet", "gateway")
+    gateway_labels = gateway["spec"]["template"]["metadata"]["labels"]
+    gateway_port = port_number(gateway["spec"]["template"]["spec"]["containers"][0], "http")
+    allowed: set[tuple[str, str, int]] = set()
+    for rule in spec["egress"]:
+        assert rule.get("to") and rule.get("ports"), f"egress rule open to all: {rule}"
+        for peer in rule["to"]:
+            assert "ipBlock" not in peer, f"egress to addresses: {peer}"
+            pods = peer["podSelector"]["matchLabels"]
+            if "namespaceSelector" in peer:
+                assert peer["namespaceSelector"]["matchLabels"] == {
+                    "kubernetes.io/metadata.name": "kube-system"
+                }
+                assert pods == {"k8s-app": "kube-dns"}
+                target = "dns"
+            else:
+                assert selects(pods, gateway_labels), f"{pods} does not select the gateway"
+                others = [
+                    w["metadata"]["name"]
+                    for w, _ in workloads(objects)
+                    if w is not gateway
+                    and selects(pods, w["spec"]["template"]["metadata"]["labels"])
+                ]
+                assert not others, f"{pods} also selects {others}"
+                target = "gateway"
+            for port in rule["ports"]:
+                allowed.add((target, port.get("protocol", "TCP"), port["port"]))
+    assert allowed == {
+        ("gateway", "TCP", gateway_port),
+        ("dns", "UDP", 53),
+        ("dns", "TCP", 53),
+    }
+
+    # The policy covers the harness pods the template makes, and no service's pods.
+    job = rendered_job(objects)
+    assert selects(HARNESS_SELECTOR, job["spec"]["template"]["metadata"]["labels"])
+    for workload, _ in workloads(objects):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert not selects(HARNESS_SELECTOR, labels), workload["metadata"]["name"]
+
+
+# -- containers --------------------------------------------------------------------------
+
+
+def test_every_container_runs_a_harnessrl_command_with_healthz_probes(
+    objects: tuple[Obj, ...],
+) -> None:
+    commands = cli_commands()
+    for workload, pod in workloads(objects):
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"].get("runAsUser", 1) != 0
+        for container in containers(pod):
+            what = f"{workload['metadata']['name']}/{container['name']}"
+            assert command_of(container) in commands, f"{what}: not a harnessrl command"
+            for probe in ("livenessProbe", "readinessProbe"):
+                get = container.get(probe, {}).get("httpGet")
+                assert get, f"{what}: no HTTP {probe}"
+                assert get["path"] == "/healthz", f"{what}: {probe} on {get['path']}"
+                port_number(container, get["port"])
+            assert container["resources"]["requests"].get("cpu"), what
+            assert container["resources"]["requests"].get("memory"), what
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False, what
+            assert context["capabilities"]["drop"] == ["ALL"], what
+
+
+def test_each_service_loads_its_config_and_listens_where_probes_and_services_look(
+    objects: tuple[Obj, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    services = service_ports(objects)
+    seen = set()
+    for workload, pod in workloads(objects):
+        for container in pod["containers"]:
+            command = command_of(container)
+            seen.add(command)
+            config = load_service_config(objects, pod, container, tmp_path, monkeypatch)
+            section = getattr(config, SERVICES[command][1])
+            what = f"{workload['metadata']['name']}/{container['name']}"
+            assert section.host == "0.0.0.0", f"{what} listens on {section.host} only"
+            probe_port = port_number(container, container["livenessProbe"]["httpGet"]["port"])
+            assert probe_port == section.port, f"{what}: probes {probe_port}, serves {section.port}"
+            assert section.port in services[workload["metadata"]["name"]], what
+            assert config.telemetry.exporter == "otlp-grpc"
+            assert config.telemetry.endpoint and config.telemetry.endpoint.startswith("http")
+            if command in ("gateway", "controller"):
+                assert section.token_secret is not None and section.admin_token is not None
+                assert section.token_secret.get_secret_value() == secret_value(
+                    objects, "harnessrl-secrets", "token-secret"
+                ), what
+            if command == "controller":
+                check_controller(objects, pod, container, config, services)
+            if command == "gateway":
+                for url in section.engines:
+                    check_url(url, services, "inference")
+            if command == "trainer":
+                host, _, port = section.advertise_address.rpartition(":")
+                assert section.weightsync.host == "0.0.0.0"
+                assert int(port) == section.weightsync.port
+                assert int(port) in services[host], f"no Service {host}:{port} (WeightSync)"
+                assert int(port) in {p["containerPort"] for p in container["ports"]}
+            if command == "inference":
+                assert section.advertise_url == f"http://{POD_FIELDS['status.podIP']}:8100"
+    assert seen == set(SERVICES)
+
+
+def check_url(url: str, services: dict[str, set[int]], service: str) -> None:
+    parts = urlsplit(url)
+    assert parts.hostname == service, f"{url} is not the {service} Service"
+    assert parts.port in services[service], f"{url}: the {service} Service has no such port"
+
+
+def check_controller(
+    objects: tuple[Obj, ...],
+    pod: Obj,
+    container: Obj,
+    config: ServiceConfig,
+    services: dict[str, set[int]],
+) -> None:
+    assert isinstance(config, ControllerConfig)
+    section = config.controller
+    assert section.runner == "kubernetes"
+    assert section.harness is not None
+    check_url(section.gateway_url, services, "gateway")
+    kube = section.kubernetes
+    assert kube is not None
+    assert kube.namespace == NAMESPACE
+    assert kube.kubeconfig is None  # in-cluster: the pod's ServiceAccount
+    assert kube.delete_after_collect, "the Role grants no patch (labelling collected Jobs)"
+    text = mounted_file(objects, pod, container, str(kube.job_template))
+    assert text == job_template_text(objects)
+
+
+# -- the harness Job template ------------------------------------------------------------
+
+
+def test_job_template_with_sample_values_is_a_batch_v1_job(objects: tuple[Obj, ...]) -> None:
+    text = job_template_text(objects)
+    assert placeholders(yaml.safe_load(text)) == {*SAMPLE, "COMMAND_JSON"}
+    (job,) = [d for d in yaml.safe_load_all(fill_placeholders(text)) if d is not None]
+    assert (job["apiVersion"], job["kind"]) == ("batch/v1", "Job")
+    assert job["metadata"]["name"] == SAMPLE["JOB_NAME"]
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] in ("Never", "OnFailure")
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    harness = pod["containers"][0]
+    assert harness["command"] == SAMPLE_COMMAND
+    assert {e["name"]: e["value"] for e in harness["env"]}["HARNESSRL_EPISODE_ID"] == (
+        SAMPLE["EPISODE_ID"]
+    )
+    assert job["metadata"]["labels"][PART_OF] == "harnessrl"
+    assert selects(HARNESS_SELECTOR, job["spec"]["template"]["metadata"]["labels"])
+
+    # The controller's own runner accepts the template and fills it in the same way.
+    made = rendered_job(objects)
+    assert made["metadata"]["name"] == SAMPLE["JOB_NAME"]
+    assert made["metadata"]["namespace"] == NAMESPACE
+    assert made["spec"]["template"]["spec"]["containers"][0]["command"] == [
+        c.replace("$", "$$") for c in SAMPLE_COMMAND
+    ]
+
+
+# -- Kafka -------------------------------------------------------------------------------
+
+
+def test_bootstrap_address_is_the_overlays(overlay: str, objects: tuple[Obj, ...]) -> None:
+    env = config_map(objects, "harnessrl-env")["data"]
+    bootstrap = env["HARNESSRL_KAFKA__BOOTSTRAP_SERVERS"]
+    strimzi = [o for o in objects if o["apiVersion"].startswith(STRIMZI_GROUP)]
+    if overlay != "strimzi":
+        assert not strimzi
+        assert bootstrap != "kafka:9092", "the overlay must set its own address"
+        return
+    (kafka,) = [o for o in strimzi if o["kind"] == "Kafka"]
+    pools = [o for o in strimzi if o["kind"] == "KafkaNodePool"]
+    assert kafka["apiVersion"] == "kafka.strimzi.io/v1beta2"
+    name = kafka["metadata"]["name"]
+    assert bootstrap == f"{name}-kafka-bootstrap:9092"
+    listeners = {(x["port"], x["type"], x["tls"]) for x in kafka["spec"]["kafka"]["listeners"]}
+    assert (9092, "internal", False) in listeners
+    assert pools and all(p["metadata"]["labels"]["strimzi.io/cluster"] == name for p in pools)
+    roles = {r for p in pools for r in p["spec"]["roles"]}
+    assert roles == {"broker", "controller"}
+    assert kafka["spec"]["kafka"]["config"]["message.max.bytes"] >= 16 * 1024 * 1024
+
+
+# -- the Kubernetes OpenAPI schemas --------------------------------------------------------
+
+
+def test_objects_match_the_kubernetes_openapi_schemas(objects: tuple[Obj, ...]) -> None:
+    kubernetes_validate = pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate (the dev extra) is not installed"
+    )
+    version = kubernetes_validate.latest_version()  # schemas it bundles: no network needed
+    checked, errors = 0, []
+    for obj in [*objects, rendered_job(objects)]:
+        if obj["apiVersion"].startswith(STRIMZI_GROUP):
+            # Strimzi's Kafka and KafkaNodePool are CRDs: kubernetes-validate bundles no
+            # schema for them (the operator's CRDs validate them in the cluster).
+            continue
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            where = ".".join(map(str, err.path))
+            errors.append(f"{obj['kind']} {obj['metadata']['name']}: {where}: {err.message}")
+        checked += 1
+    assert not errors, f"not valid for Kubernetes {version}:\n" + "\n".join(errors)
+    assert checked >= len(EXPECTED_WORKLOADS)
