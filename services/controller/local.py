@@ -90,7 +90,7 @@ class LocalRun:
             self._process = await self._exec(spec, env)
         self.ref = str(self._process.pid)
         self._runner.record(self)
-        self._task = asyncio.create_task(self._follow(spec.timeout_s))
+        self._task = asyncio.create_task(self._follow_or_fail(spec.timeout_s))
 
     async def _exec(self, spec: LaunchSpec, env: dict[str, str]) -> asyncio.subprocess.Process:
         try:
@@ -132,6 +132,21 @@ class LocalRun:
         self._killed = reason
         _killpg(self._process.pid, signal.SIGKILL)
         await self._done.wait()
+
+    async def _follow_or_fail(self, timeout_s: float) -> None:
+        """`_follow`; a failure of the runner itself ends the run as an infrastructure error
+        (retried) instead of leaving its episode waiting forever."""
+        try:
+            await self._follow(timeout_s)
+        except Exception as err:
+            log.exception("following a harness run failed", episode_id=self.episode_id)
+            if self._process is not None:
+                _killpg(self._process.pid, signal.SIGKILL)
+            self._runner.forget(self)
+            message = f"the runner failed: {err!r}"
+            self._finish(
+                RunResult("infra_error", None, None, None, message, "", self._started, time.time())
+            )
 
     async def _follow(self, timeout_s: float) -> None:
         process = self._process
@@ -244,8 +259,10 @@ class LocalRunner:
         inherit_env: list[str],
     ) -> None:
         self.inherit_env = inherit_env
-        self.workdir = workdir
-        self.records = state_dir / "runs"
+        # Absolute: each run's directory is its harness's cwd, and HARNESSRL_OUTPUT and the
+        # artifacts URI must name it from anywhere.
+        self.workdir = workdir.resolve()
+        self.records = state_dir.resolve() / "runs"
         self.log_cap_bytes = log_cap_bytes
         self.result_cap_bytes = result_cap_bytes
         self.kill_grace_s = kill_grace_s

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import sys
@@ -75,6 +76,29 @@ async def test_a_result_file_and_exit_code_are_reported(tmp_path: Path) -> None:
     assert result.result_json is not None
     assert orjson.loads(result.result_json) == {"asked": {"question": "1+1"}}
     assert result.artifacts_uri.startswith("file://")
+
+
+@pytest.mark.parametrize("preload", [(), ("json",)], ids=["exec", "forkserver"])
+async def test_a_relative_workdir_works_for_executed_and_forked_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preload: tuple[str, ...]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    runner = _runner(tmp_path, workdir=Path("episodes"), state_dir=Path("state"))
+    spec = _spec(
+        tmp_path,
+        """
+        import os
+        open(os.environ["HARNESSRL_OUTPUT"], "w").write('{"cwd": "%s"}' % os.getcwd())
+    """,
+    )
+    try:
+        result = await _run(runner, dataclasses.replace(spec, preload=preload))
+    finally:
+        await runner.stop()
+    assert result.outcome == "exited" and result.exit_code == 0, result.message
+    assert result.result_json is not None
+    assert orjson.loads(result.result_json) == {"cwd": str(tmp_path / "episodes" / "g-0-1")}
+    assert result.artifacts_uri == (tmp_path / "episodes" / "g-0-1").as_uri()
 
 
 async def test_the_last_stdout_line_may_carry_the_result(tmp_path: Path) -> None:
