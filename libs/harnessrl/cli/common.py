@@ -68,13 +68,16 @@ class Progress:
         self._last_draw = self._started
         self._last_step = 0
         self._done = 0
+        self._note = ""
 
-    def update(self, done: int) -> None:
+    def update(self, done: int, note: str = "") -> None:
+        """Progress is `done` of the total; `note` (optional) follows the figures."""
         self._done = done
+        self._note = note
         now = time.monotonic()
         if self._tty:
             if now - self._last_draw >= 0.1:
-                self._draw(now, "\r")
+                self._draw(now, "\r", "\x1b[K")
             return
         step = done * 10 // self._total if self._total else done // 1000
         if step != self._last_step and now - self._last_draw >= 1.0:
@@ -92,9 +95,11 @@ class Progress:
 
     def _line(self, now: float) -> str:
         rate = self._done / max(now - self._started, 1e-9)
+        per_s = f"({rate:,.0f}/s)" if rate >= 10 else f"({rate:.2f}/s)"
+        note = f"  {self._note}" if self._note else ""
         if self._total:
             width = 30
-            filled = width * self._done // self._total
+            filled = min(width, width * self._done // self._total)
             bar = "#" * filled + "." * (width - filled)
-            return f"{self._label} [{bar}] {self._done}/{self._total} ({rate:,.0f}/s)"
-        return f"{self._label} {self._done} ({rate:,.0f}/s)"
+            return f"{self._label} [{bar}] {self._done}/{self._total} {per_s}{note}"
+        return f"{self._label} {self._done} {per_s}{note}"

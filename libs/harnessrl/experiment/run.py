@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from harnessrl.cli.common import Progress
 from harnessrl.experiment.ledger import KINDS, TRAIN, VAL_AFTER, VAL_BEFORE, Ledger
 from harnessrl.experiment.scrape import scrape
 from harnessrl.logs import get_logger
@@ -117,20 +118,20 @@ class _Experiment:
             await self._submit(task, phase, self.options.val_group_size)
         total = sum(g.size for g in self.ledger.phase(phase))
         deadline = time.monotonic() + self.options.phase_timeout_s
-        bar = _Bar(label, total, self._progress)
+        bar = Progress(f"{label} episodes", total, self._progress)
         while self.ledger.outstanding(phase):
             if time.monotonic() > deadline:
                 raise ExperimentError(f"{label}: not every episode was rewarded in time")
             await self._wait()
             done = self.ledger.episodes_done(phase)
-            bar.draw(len(done), f"success {_mean([e.reward or 0.0 for e in done]):.2f}")
+            bar.update(len(done), f"success {_mean([e.reward or 0.0 for e in done]):.2f}")
         bar.close()
 
     async def _train(self) -> None:
         options, ledger = self.options, self.ledger
         tasks = itertools.cycle(options.train)
         deadline = time.monotonic() + options.max_train_minutes * 60
-        bar = _Bar("train", options.steps, self._progress, unit="steps")
+        bar = Progress("train steps", options.steps, self._progress)
         seen = 0
         while ledger.step < options.steps:
             if time.monotonic() > deadline:
@@ -145,7 +146,7 @@ class _Experiment:
                 await self._scrape_step()
             episodes = ledger.episodes_done(TRAIN)
             recent = [e.reward or 0.0 for e in episodes[-64:]]
-            bar.draw(
+            bar.update(
                 ledger.step,
                 f"episodes {len(episodes)}  reward {_mean(recent):.2f} (last {len(recent)})"
                 f"  policy v{ledger.version}",
@@ -241,37 +242,6 @@ async def _scrape_or_empty(url: str | None) -> dict[str, Any]:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
-
-
-class _Bar:
-    """A progress line: redrawn in place on a terminal, else printed every few seconds."""
-
-    def __init__(self, label: str, total: int, stream: IO[str], unit: str = "episodes") -> None:
-        self._label, self._total, self._unit, self._stream = label, total, unit, stream
-        self._tty = stream.isatty()
-        self._started = self._last = time.monotonic()
-        self._text = ""
-
-    def draw(self, done: int, note: str) -> None:
-        width = 24
-        filled = width * min(done, self._total) // max(self._total, 1)
-        elapsed = time.monotonic() - self._started
-        self._text = (
-            f"{self._label:<12} [{'#' * filled}{'.' * (width - filled)}] {done}/{self._total} "
-            f"{self._unit}  {note}  {int(elapsed) // 60}m{int(elapsed) % 60:02d}s"
-        )
-        now = time.monotonic()
-        if self._tty:
-            self._stream.write("\r" + self._text + "\x1b[K")
-            self._stream.flush()
-        elif now - self._last >= 10:
-            self._last = now
-            self._stream.write(self._text + "\n")
-            self._stream.flush()
-
-    def close(self) -> None:
-        self._stream.write(("\r" if self._tty else "") + self._text + "\n")
-        self._stream.flush()
 
 
 # --- the stack and the bus -------------------------------------------------------------
