@@ -151,6 +151,20 @@ class LogSettings(Section):
     """One JSON object per line, or key=value text for terminals."""
 
 
+PLACEHOLDER_PREFIX = "REPLACE-ME"
+"""How the deployment files mark secrets that must be replaced before use."""
+
+
+def real_secret(value: SecretStr | None) -> SecretStr | None:
+    """A shared secret as given, refusing the deployment files' public placeholders."""
+    if value is not None and value.get_secret_value().startswith(PLACEHOLDER_PREFIX):
+        raise ValueError(
+            f"still the placeholder {PLACEHOLDER_PREFIX}...: set a secret of your own "
+            "(e.g. `openssl rand -hex 32`); the placeholders are public"
+        )
+    return value
+
+
 class ServiceSection(Section):
     """Per-service runtime settings: where its health and metrics endpoints listen."""
 

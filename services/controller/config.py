@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
-from harnessrl.config import MiB, Section, ServiceConfig, ServiceSection
+from harnessrl.config import MiB, Section, ServiceConfig, ServiceSection, real_secret
 
 DEFAULT_INHERITED_ENV = [
     "PATH",
@@ -133,6 +133,8 @@ class ControllerSection(ServiceSection):
     kubernetes: KubernetesSettings | None = None
     """Where and how harnesses run as Kubernetes Jobs (required when runner is
     "kubernetes")."""
+
+    _secrets = field_validator("token_secret", "admin_token")(real_secret)
 
 
 class ControllerConfig(ServiceConfig):

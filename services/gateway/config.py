@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, SecretStr, field_validator
 
-from harnessrl.config import MiB, Section, ServiceConfig, ServiceSection
+from harnessrl.config import MiB, Section, ServiceConfig, ServiceSection, real_secret
 
 
 class SamplingOverrides(Section):
@@ -52,6 +52,15 @@ class GatewaySection(ServiceSection):
     """Retry-After of a 429 answered while paused (the SDKs retry by themselves)."""
     follow_control: bool = True
     """Obey ControlCommand (pause/resume) events on hrl.policy."""
+
+    _secrets = field_validator("token_secret", "admin_token")(real_secret)
+
+    @field_validator("previous_token_secrets")
+    @classmethod
+    def _previous(cls, value: list[SecretStr]) -> list[SecretStr]:
+        for secret in value:
+            real_secret(secret)
+        return value
 
     @field_validator("engines")
     @classmethod

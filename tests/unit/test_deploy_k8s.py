@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from harnessrl.cli import build_parser
-from harnessrl.config import ServiceConfig, load_config
+from harnessrl.config import PLACEHOLDER_PREFIX, ServiceConfig, load_config
 from harnessrl.services.controller.config import ControllerConfig
 from harnessrl.services.controller.kubernetes_job import JobTemplate
 from harnessrl.services.controller.runner import LaunchSpec
@@ -80,15 +80,38 @@ SAMPLE_COMMAND = ["python", "harness.py", "--task", "it's $HOME"]
 POD_FIELDS = {"status.podIP": "10.1.2.3", "metadata.name": "pod-0"}
 
 
-@functools.cache
-def _render(overlay: str) -> tuple[Obj, ...]:
-    done = subprocess.run(
-        ["kubectl", "kustomize", str(ROOT / "deploy" / "k8s" / "overlays" / overlay)],
+SECRETS = {"token-secret": "t0ken-" + "a" * 58, "admin-token": "adm1n-" + "b" * 58}
+"""What the operator's secrets.env holds (README: printf ... "$(openssl rand -hex 32)")."""
+
+
+def _kustomize(directory: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["kubectl", "kustomize", str(directory)],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
+
+
+@functools.cache
+def _tree() -> Path:
+    """deploy/k8s copied, with each overlay's secrets.env written as the README says."""
+    import atexit
+    import tempfile
+
+    tree = Path(tempfile.mkdtemp(prefix="hrl-k8s-")) / "k8s"
+    atexit.register(shutil.rmtree, tree.parent, True)
+    shutil.copytree(ROOT / "deploy" / "k8s", tree, ignore=shutil.ignore_patterns("secrets.env"))
+    for overlay in OVERLAYS:
+        lines = "".join(f"{key}={value}\n" for key, value in SECRETS.items())
+        (tree / "overlays" / overlay / "secrets.env").write_text(lines)
+    return tree
+
+
+@functools.cache
+def _render(overlay: str) -> tuple[Obj, ...]:
+    done = _kustomize(_tree() / "overlays" / overlay)
     assert done.returncode == 0, f"kubectl kustomize {overlay} failed:\n{done.stderr}"
     return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc is not None)
 
@@ -322,11 +345,29 @@ def test_every_object_is_part_of_harnessrl_in_its_namespace(objects: tuple[Obj, 
         assert labels.get(PART_OF) == "harnessrl", f"{workload['metadata']['name']}'s pods"
 
 
-def test_secret_holds_only_marked_placeholders(objects: tuple[Obj, ...]) -> None:
-    secret = named(objects, "Secret", "harnessrl-secrets")
-    assert set(secret["stringData"]) == {"token-secret", "admin-token"}
-    for key, value in secret["stringData"].items():
-        assert value.startswith("REPLACE-ME"), f"{key} must be a marked placeholder"
+def test_secrets_come_from_the_operators_file_and_placeholders_are_refused(
+    overlay: str, objects: tuple[Obj, ...], tmp_path: Path
+) -> None:
+    # The base holds only marked placeholders...
+    base = yaml.safe_load((ROOT / "deploy" / "k8s" / "base" / "secret.yaml").read_text())
+    assert set(base["stringData"]) == set(SECRETS)
+    for key, value in base["stringData"].items():
+        assert value.startswith(PLACEHOLDER_PREFIX), f"{key} must be a marked placeholder"
+        for cls, section in ((GatewayConfig, "gateway"), (ControllerConfig, "controller")):
+            field = {"token-secret": "token_secret", "admin-token": "admin_token"}[key]
+            with pytest.raises(ValueError, match=f"{section}.{field}"):
+                load_config(cls, **{section: {field: value}})
+    # ...which each overlay replaces with secrets.env, the only place the values live...
+    for key, value in SECRETS.items():
+        assert secret_value(objects, "harnessrl-secrets", key) == value
+    assert len(kinds(objects, "Secret")) == 1
+    # ...and without that file the overlay does not render at all.
+    bare = tmp_path / "k8s"
+    shutil.copytree(_tree(), bare)
+    (bare / "overlays" / overlay / "secrets.env").unlink()
+    done = _kustomize(bare / "overlays" / overlay)
+    assert done.returncode != 0 and "secrets.env" in done.stderr
+    assert "secrets.env" in (ROOT / ".gitignore").read_text()
 
 
 # -- RBAC --------------------------------------------------------------------------------
