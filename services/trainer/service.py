@@ -37,6 +37,7 @@ from harnessrl.services.trainer.batching import Batch, Batcher
 from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
 from harnessrl.services.trainer.config import TrainerConfig
 from harnessrl.services.trainer.distributed import World
+from harnessrl.services.trainer.journal import StepJournal
 from harnessrl.services.trainer.metrics import TrainerMetrics
 from harnessrl.services.trainer.policy import Policy, StepStats
 from harnessrl.services.trainer.swap import EngineWatch
@@ -79,6 +80,7 @@ class TrainerService:
         self._room.set()
         self._stopping = asyncio.Event()
         self._producer: Producer | None = None
+        self._journal: StepJournal | None = None
         self._tracer = runtime.tracer_provider.get_tracer("harnessrl.trainer")
         self.metrics = TrainerMetrics(runtime.registry)
         self.ready = asyncio.Event()
@@ -101,6 +103,7 @@ class TrainerService:
                     config.kafka, [events.SAMPLES, events.POLICY], max_attempts=10**6
                 )
             self._policy = await asyncio.to_thread(self._load)
+            self._journal = StepJournal(settings.checkpoint_dir, resumed_from=self.step)
             await self._skip_lost_versions()
             server = WeightSyncServer(settings.weightsync)
             await server.start()
@@ -229,6 +232,8 @@ class TrainerService:
             self.version += 1
             self._trained.update(s.sample_id for s in batch.samples)
             self._unsaved_ids.update(s.sample_id for s in batch.samples)
+            assert self._journal is not None
+            self._journal.record(self.step, self.version, (s.sample_id for s in batch.samples))
             checkpoint = ""
             if self.step % settings.checkpoint_every == 0 or self.step == settings.max_steps:
                 checkpoint = await self._checkpoint()

@@ -29,6 +29,7 @@ from harnessrl.broker import EmbeddedBroker
 from harnessrl.bus import Producer
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
 from harnessrl.runtime import Runtime
+from harnessrl.services.trainer import journal
 from harnessrl.services.trainer.checkpoint import Checkpoints
 from harnessrl.services.trainer.config import TrainerConfig, TrainerSection
 from harnessrl.services.trainer.loss import token_logprobs
@@ -295,6 +296,13 @@ async def test_a_killed_trainer_resumes_without_training_a_sample_twice_or_skipp
     every = {s.sample_id for g in groups for s in g.samples}
     assert state.step == 6  # six groups, one step each: nothing trained twice
     assert state.trained_sample_ids == every  # and nothing skipped
+    # The step journal says the same: the lineage of these weights is six steps, every
+    # sample in exactly one of them (steps lost with the kill are not part of it).
+    records = journal.read(tmp_path / "checkpoints" / journal.JOURNAL)
+    steps = journal.lineage(records)
+    assert [r.step for r in steps] == [1, 2, 3, 4, 5, 6]
+    assert sorted(s for r in steps for s in r.samples) == sorted(every)
+    assert journal.trained_twice(records) == []
     # Versions never go back, and a version lost with the crash is never reused for other
     # weights (a checkpoint's own version may be announced again: same step, same weights).
     announced = [

@@ -1,0 +1,116 @@
+"""The trainer's step journal: which samples each optimiser step trained on, for audits.
+
+`<checkpoint_dir>/steps.jsonl` gets one line per step, appended (and flushed) before the
+step's version is announced:
+
+    {"step": 7, "version": 9, "resumed_from": 5, "samples": ["ep-1/0/0", ...], "at": 1.7e9}
+
+A trainer killed after step m resumes from its newest checkpoint (step k <= m) and takes
+steps k+1, ... again: the lines for k+1..m written before the crash belong to a lineage
+whose weights were thrown away. So each start writes a line `{"resume": k, "at": ...}`, and
+`lineage()` drops every step above k when it meets one (and, for every step, keeps only the
+line written last): what it returns is the history of the weights the trainer holds now.
+A sample in two steps of that history was trained twice; one in steps of a discarded
+lineage only was not.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+JOURNAL = "steps.jsonl"
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    step: int
+    version: int
+    resumed_from: int
+    samples: tuple[str, ...]
+    at: float
+
+
+class StepJournal:
+    """Appends one line per step to `root/steps.jsonl`."""
+
+    def __init__(self, root: Path, *, resumed_from: int) -> None:
+        """Writes the resume line: the weights are now those of step `resumed_from`."""
+        self.path = Path(root) / JOURNAL
+        self._resumed_from = resumed_from
+        if self.path.exists() and self.path.stat().st_size:
+            with self.path.open("rb+") as f:
+                f.seek(-1, 2)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")  # end the line a crash cut short: it stays unreadable alone
+        self._append({"resume": resumed_from, "at": time.time()})
+
+    def record(self, step: int, version: int, samples: Iterable[str]) -> None:
+        self._append(
+            {
+                "step": step,
+                "version": version,
+                "resumed_from": self._resumed_from,
+                "samples": list(samples),
+                "at": time.time(),
+            }
+        )
+
+    def _append(self, line: dict[str, object]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    step: int
+    at: float
+
+
+def read(path: Path) -> list[StepRecord | Resume]:
+    """Every complete line of a journal, in file order (a line cut short by a crash while
+    it was written is ignored)."""
+    if not path.exists():
+        return []
+    records: list[StepRecord | Resume] = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "resume" in data:
+            records.append(Resume(step=int(data["resume"]), at=float(data["at"])))
+            continue
+        records.append(
+            StepRecord(
+                step=int(data["step"]),
+                version=int(data["version"]),
+                resumed_from=int(data["resumed_from"]),
+                samples=tuple(str(s) for s in data["samples"]),
+                at=float(data["at"]),
+            )
+        )
+    return records
+
+
+def lineage(records: list[StepRecord | Resume]) -> list[StepRecord]:
+    """The steps behind the current weights, in step order (see the module docstring)."""
+    kept: dict[int, StepRecord] = {}
+    for record in records:
+        newest = record.step if isinstance(record, Resume) else record.step - 1
+        for step in [s for s in kept if s > newest]:
+            del kept[step]  # thrown away with a crash: a restart goes on from `newest`
+        if isinstance(record, StepRecord):
+            kept[record.step] = record
+    return [kept[s] for s in sorted(kept)]
+
+
+def trained_twice(records: list[StepRecord | Resume]) -> list[str]:
+    """Sample ids that appear in more than one step of the lineage (or twice in one)."""
+    counts = Counter(s for record in lineage(records) for s in record.samples)
+    return sorted(s for s, n in counts.items() if n > 1)
