@@ -83,10 +83,11 @@ def _standin(port: int) -> None:
         await server.start()
         await asyncio.Event().wait()
 
-    _run_loop(main())
+    run_loop(main())
 
 
-def _run_loop(coroutine: Any) -> None:
+def run_loop(coroutine: Any) -> None:
+    """Run `coroutine` to its end on uvloop when installed, else on asyncio's loop."""
     try:
         import uvloop
 
@@ -138,7 +139,7 @@ def _load(
             }
         )
 
-    _run_loop(main())
+    run_loop(main())
 
 
 def _measure(
@@ -153,14 +154,16 @@ def _measure(
     return result
 
 
-def _rss_mb(pid: int) -> float:
+def rss_mb(pid: int) -> float:
+    """Resident memory of process `pid` in MiB, from /proc/<pid>/status (Linux)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
 
 
-def _wait_http(url: str, timeout: float = 60.0) -> None:
+def wait_http(url: str, timeout: float = 60.0) -> None:
+    """Return once GET `url` answers 200; raises RuntimeError after `timeout` seconds."""
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -229,8 +232,8 @@ async def _main(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         stdout=subprocess.DEVNULL,
     )
     try:
-        await asyncio.to_thread(_wait_http, f"http://127.0.0.1:{engine_port}/v1/models")
-        await asyncio.to_thread(_wait_http, f"http://127.0.0.1:{gateway_port}/healthz")
+        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{engine_port}/v1/models")
+        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{gateway_port}/healthz")
         return await asyncio.to_thread(_run, args, engine_port, gateway_port, gateway.pid, log)
     finally:
         gateway.send_signal(signal.SIGTERM)
@@ -276,9 +279,9 @@ def _run(
             f"c={concurrency}: gateway {g['rps']:,.0f} calls/s p50 {g['p50_ms']:.2f} ms "
             f"p99 {g['p99_ms']:.2f} ms; direct {d['rps']:,.0f} calls/s p50 {d['p50_ms']:.2f} ms"
         )
-    before = _rss_mb(gateway_pid)
+    before = rss_mb(gateway_pid)
     soak = _measure(*through, concurrency=64, seconds=3600.0, calls=args.soak_calls)
-    after = _rss_mb(gateway_pid)
+    after = rss_mb(gateway_pid)
     log(
         f"soak: {soak['calls']:,.0f} calls at {soak['rps']:,.0f}/s, RSS {before:.1f} -> "
         f"{after:.1f} MB"

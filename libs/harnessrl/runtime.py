@@ -72,6 +72,21 @@ def serve(
     return asyncio.run(_serve(name, config, section, build, health_endpoint))
 
 
+async def _drain(run_task: asyncio.Task[None], timeout_s: float) -> None:
+    """Give a stopping service `timeout_s` seconds to finish, then cancel it. Returns also
+    when a second signal cancels it meanwhile (the caller reads the outcome)."""
+    try:
+        await asyncio.wait_for(asyncio.shield(run_task), timeout_s)
+    except TimeoutError:
+        log.error("shutdown deadline passed; cancelling", timeout_s=timeout_s)
+        run_task.cancel()
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise  # this coroutine itself is being cancelled
+        # else a second signal cancelled the service: its exit code says so
+
+
 async def _serve(
     name: str,
     config: ServiceConfig,
@@ -116,13 +131,7 @@ async def _serve(
             [run_task, asyncio.ensure_future(stopping.wait())], return_when=asyncio.FIRST_COMPLETED
         )
         if not run_task.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(run_task), section.shutdown_timeout_s)
-            except TimeoutError:
-                log.error(
-                    "shutdown deadline passed; cancelling", timeout_s=section.shutdown_timeout_s
-                )
-                run_task.cancel()
+            await _drain(run_task, section.shutdown_timeout_s)
         await asyncio.gather(run_task, return_exceptions=True)
         if run_task.cancelled():
             code = 1

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,11 +61,17 @@ def test_work_past_the_shutdown_deadline_is_cancelled() -> None:
     assert "shutdown deadline passed; cancelling" in [e["msg"] for e in _logs(process)]
 
 
-def test_a_second_signal_cancels_at_once() -> None:
+@pytest.mark.parametrize("between_s", [0.0, 0.5])
+def test_a_second_signal_cancels_at_once(between_s: float) -> None:
+    # 0.5 s: the second signal comes while the service is draining (past the first wait).
     process = _start("--drain", "60", timeout_s=60.0)
     process.send_signal(signal.SIGTERM)
+    time.sleep(between_s)
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=30) == 1
+    messages = [entry["msg"] for entry in _logs(process)]  # every line structured: no traceback
+    assert "second signal; cancelling" in messages
+    assert messages[-1] == "stopped"
 
 
 def test_a_failing_service_exits_nonzero_with_its_traceback_logged() -> None:

@@ -108,6 +108,7 @@ def register(commands: Any) -> None:
         "--soak-calls", type=int, default=100_000, help="calls in the memory soak (default 100000)"
     )
     gateway.set_defaults(run=_run_gateway)
+    _register_load(sub)
     samples = sub.add_parser(
         "samples",
         help="sample builder tokens/s (bytes in -> GroupSamples bytes out) vs np.concatenate",
@@ -183,6 +184,33 @@ def register(commands: Any) -> None:
     parser.set_defaults(run=lambda _: parser.print_help() or 2)
 
 
+def _register_load(sub: Any) -> None:
+    load = sub.add_parser(
+        "load",
+        help="concurrent demo-harness episodes through the gateway: errors, p99 latency",
+        description="Keep --episodes episodes of the calculator demo harness (its own solve() "
+        "with the real openai SDK, the episode token as API key) running for --seconds "
+        "through `harnessrl gateway` capturing to an embedded broker, against a stand-in "
+        "engine; each episode is closed at the gateway's admin API as the controller does. "
+        "Counts errors (any non-2xx or exception the harness sees, failed closes, calls "
+        "missing from hrl.calls) and client-side latency, beside a baseline of the same "
+        "load straight against the stand-in. The last line is one JSON object; the exit "
+        "status is 1 when there were errors.",
+    )
+    load.add_argument("--json", action="store_true", help="print only the JSON line")
+    load.add_argument("--episodes", type=int, default=256, help="concurrent episodes (default 256)")
+    load.add_argument(
+        "--seconds", type=float, default=120.0, help="seconds through the gateway (default 120)"
+    )
+    load.add_argument(
+        "--baseline-seconds",
+        type=float,
+        default=10.0,
+        help="seconds of the same load straight against the stand-in (default 10)",
+    )
+    load.set_defaults(run=_run_load)
+
+
 def _run_bus(args: argparse.Namespace) -> int:
     from harnessrl.bench import bus
 
@@ -199,6 +227,12 @@ def _run_gateway(args: argparse.Namespace) -> int:
     from harnessrl.bench import gateway
 
     return gateway.main(args)
+
+
+def _run_load(args: argparse.Namespace) -> int:
+    from harnessrl.bench import load
+
+    return load.main(args)
 
 
 def _run_inference(args: argparse.Namespace) -> int:

@@ -1,0 +1,239 @@
+"""Episodes of the calculator demo harness on threads, as `harnessrl bench load` runs them.
+
+A `Load` keeps `slots` episodes running until its time is up, one after another in each slot:
+the harness's own `solve()` (examples/calculator/harness.py, imported by path, unchanged)
+with a real `openai.OpenAI` client whose API key is the episode's token; then, against the
+gateway, the episode is closed at its admin API with the controller's own client. The SDK's
+transport times every HTTP attempt and counts its outcome in the load's `Tally`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib.util
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import openai
+
+from harnessrl.cli.common import Progress
+from harnessrl.episode_token import EpisodeClaims, mint
+from harnessrl.services.controller.gateway_admin import GatewayAdmin
+
+EPISODE_TIMEOUT_S = 120.0
+"""Lifetime of an episode's token: the gateway forgets a closed episode once it expires."""
+CALCULATOR = Path(__file__).resolve().parents[1] / "examples" / "calculator"
+
+
+def calculator(questions: int) -> tuple[ModuleType, list[str]]:
+    """The calculator harness module and the questions of `questions` train tasks."""
+    harness = _module("harnessrl_bench_calculator_harness", CALCULATOR / "harness.py")
+    tasks = _module("harnessrl_bench_calculator_tasks", CALCULATOR / "tasks.py")
+    return harness, [p.question for p in tasks.problems("train", questions, 0)]
+
+
+def _module(name: str, path: Path) -> ModuleType:
+    """Import a file as a module, unchanged (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class Tally:
+    """What one phase saw; updated from every slot's thread under `lock`."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    latencies: list[float] = field(default_factory=list)  # seconds per answered attempt
+    close_latencies: list[float] = field(default_factory=list)
+    calls: int = 0  # 2xx answers
+    episodes: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+
+    def answered(self, status: int, seconds: float) -> None:
+        with self.lock:
+            if 200 <= status < 300:
+                self.calls += 1
+                self.latencies.append(seconds)
+            else:
+                self.errors[f"http {status}"] += 1
+
+    def error(self, kind: str) -> None:
+        with self.lock:
+            self.errors[kind] += 1
+
+
+class TimedTransport:
+    """The SDK's HTTP transport: times each attempt to its last body byte, counts outcomes.
+
+    `http` is the httpx the installed openai SDK is built on (httpx2 from openai 3, httpx
+    before); its clients take any object with handle_request() and close() as transport.
+    """
+
+    def __init__(self, http: ModuleType, tally: Tally, connections: int) -> None:
+        limits = http.Limits(max_connections=connections, max_keepalive_connections=connections)
+        self._http = http
+        self._inner = http.HTTPTransport(limits=limits)
+        self._tally = tally
+
+    def handle_request(self, request: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            response = self._inner.handle_request(request)
+            try:
+                body = b"".join(response.iter_raw())
+            finally:
+                response.close()
+        except Exception as err:
+            self._tally.error(f"transport {type(err).__name__}")
+            raise
+        self._tally.answered(response.status_code, time.perf_counter() - started)
+        return self._http.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=self._http.ByteStream(body),
+            extensions=response.extensions,
+        )
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def sdk_http_client(tally: Tally, connections: int) -> Any:
+    """The SDK's own default HTTP client (its timeouts) on a TimedTransport."""
+    http = importlib.import_module(openai.DefaultHttpxClient.__mro__[1].__module__.split(".")[0])
+    transport = TimedTransport(http, tally, connections)
+    return openai.DefaultHttpxClient(transport=transport)  # type: ignore[arg-type]  # duck-typed
+
+
+@dataclass(frozen=True)
+class Closing:
+    """How episodes are closed: the controller's client, run on `loop` (a running event
+    loop in another thread); `timeout_s` bounds one close, its retries included."""
+
+    admin: GatewayAdmin
+    loop: asyncio.AbstractEventLoop
+    timeout_s: float
+
+
+class Load:
+    """`slots` episodes at a time against `base_url`, one after another in each slot, until
+    `seconds` are up; each closed at the gateway when `closing` is given."""
+
+    def __init__(
+        self,
+        name: str,
+        base_url: str,
+        *,
+        slots: int,
+        seconds: float,
+        harness: ModuleType,
+        questions: list[str],
+        secret: bytes,
+        closing: Closing | None = None,
+    ) -> None:
+        self.name = name
+        self.tally = Tally()
+        self._base_url = base_url
+        self._slots = slots
+        self._seconds = seconds
+        self._harness = harness
+        self._questions = questions
+        self._secret = secret
+        self._closing = closing
+        self._stop = threading.Event()
+        self._closes: set[concurrent.futures.Future[int]] = set()
+        self._deadline = 0.0
+        self._http = sdk_http_client(self.tally, slots + 8)
+
+    def stop(self) -> None:
+        """Start no new episode and give up closes in progress (the gateway is about to be
+        stopped); the harnesses in flight run to their end. Idempotent."""
+        self._stop.set()
+        with self.tally.lock:
+            closes = list(self._closes)
+        for future in closes:
+            future.cancel()
+
+    def run(self) -> float:
+        """Run the phase, progress on stderr; returns its wall time in seconds."""
+        threads = [
+            threading.Thread(target=self._slot, args=(i,), name=f"load-{i}", daemon=True)
+            for i in range(self._slots)
+        ]
+        started = time.monotonic()
+        self._deadline = started + self._seconds
+        progress = Progress(f"bench load: {self.name} calls", None)
+        for thread in threads:
+            thread.start()
+        try:
+            while alive := [t for t in threads if t.is_alive()]:
+                alive[0].join(0.25)
+                tally = self.tally
+                progress.update(
+                    tally.calls,
+                    f"{time.monotonic() - started:.0f}/{self._seconds:.0f} s, "
+                    f"{tally.episodes:,} episodes, {sum(tally.errors.values())} errors",
+                )
+        finally:
+            progress.close()
+            self._http.close()
+        return time.monotonic() - started
+
+    def _slot(self, slot: int) -> None:
+        n = 0
+        while not self._stop.is_set() and time.monotonic() < self._deadline:
+            n += 1
+            episode_id = f"{self.name}-{slot}-{n}"
+            claims = EpisodeClaims(
+                episode_id, 1, f"g-{episode_id}", "train", time.time() + EPISODE_TIMEOUT_S
+            )
+            client = openai.OpenAI(
+                base_url=self._base_url,
+                api_key=mint(claims, self._secret),
+                http_client=self._http,
+            )
+            question = self._questions[(slot + n * self._slots) % len(self._questions)]
+            calls: int | None = None
+            try:
+                calls = int(self._harness.solve(client, question)["calls"])
+            except Exception as err:  # what would have ended the harness's process
+                self.tally.error(f"harness {type(err).__name__}")
+            if self._closing is not None and not self._stop.is_set():
+                self._close(self._closing, claims, calls)
+            with self.tally.lock:
+                self.tally.episodes += 1
+
+    def _close(self, closing: Closing, claims: EpisodeClaims, calls: int | None) -> None:
+        """Close as the controller does once the harness exits; check its call count."""
+        started = time.perf_counter()
+        coroutine = closing.admin.close_episode(
+            claims.episode_id, claims.attempt, claims.group_id, "finished"
+        )
+        future = asyncio.run_coroutine_threadsafe(coroutine, closing.loop)
+        with self.tally.lock:
+            self._closes.add(future)
+        if self._stop.is_set():  # stop() may have looked at the closes before this one
+            future.cancel()
+        try:
+            count = future.result(closing.timeout_s)
+        except Exception as err:
+            self.tally.error(f"close {type(err).__name__}")
+            return
+        finally:
+            with self.tally.lock:
+                self._closes.discard(future)
+        with self.tally.lock:
+            self.tally.close_latencies.append(time.perf_counter() - started)
+        if calls is not None and count != calls:
+            self.tally.error("closed call_count differs from the harness's calls")
