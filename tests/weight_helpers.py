@@ -1,4 +1,5 @@
-"""Test helpers for WeightSync: a fault-injecting proxy."""
+"""Test helpers for WeightSync: a small state dict, bit-exact comparison, a fault-injecting
+proxy."""
 
 from __future__ import annotations
 
@@ -7,10 +8,38 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import torch
 
 from harnessrl.v1 import weights_pb2 as pb
 from harnessrl.v1 import weights_pb2_grpc as pb_grpc
 from harnessrl.weights.chunks import GRPC_OPTIONS
+from harnessrl.weights.manifest import byte_view
+
+
+def state_dict(dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A small decoder-like state dict; different seeds give different values."""
+    generator = torch.Generator().manual_seed(seed)
+    state = {
+        "model.embed_tokens.weight": torch.randn(64, 32, generator=generator).to(dtype),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(32, 32, generator=generator).to(
+            dtype
+        ),
+        "model.layers.0.input_layernorm.weight": torch.ones(32, dtype=dtype),
+        "model.norm.weight": torch.randn(32, generator=generator).to(dtype),
+    }
+    if dtype == torch.float32:  # bit patterns that == would not tell apart
+        state["model.norm.weight"][:3] = torch.tensor([float("nan"), -0.0, float("inf")])
+    return state
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Same names in the same order, same dtypes and shapes, same bytes."""
+    return list(a) == list(b) and all(
+        a[k].dtype == b[k].dtype
+        and a[k].shape == b[k].shape
+        and bytes(byte_view(a[k].contiguous())) == bytes(byte_view(b[k].contiguous()))
+        for k in a
+    )
 
 
 class FaultInjector(pb_grpc.WeightSyncServicer):

@@ -136,3 +136,5 @@ def configure_logging(service: str, settings: LogSettings, stream: IO[str] | Non
     root.setLevel(settings.level)
     # aiokafka's INFO lines (every join, every fetch reset) drown the service's own.
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, root.level))
+    # httpx logs every request at INFO: vllm-sync's periodic version checks would fill the log.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))

@@ -5,13 +5,15 @@ entering it passes the pause gate and the episode book (a closed episode raises 
 refused call captures nothing), exiting it ends the call's span and bookkeeping. In between,
 `complete()` or `chunks()` forward the call to the episode's engine. Only a call that the
 engine completed, and that the harness received in full, is captured: one ModelCall per
-choice, with the next sequence numbers of its episode.
+choice, with the next sequence numbers of its episode, stamped with the policy version the
+engine names in its x-policy-version header or, for an engine that sends none (vLLM), the
+version it had loaded when the call was sent (services/gateway/versions.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -30,6 +32,7 @@ from harnessrl.services.gateway.control import Gate
 from harnessrl.services.gateway.engines import EnginePool
 from harnessrl.services.gateway.episodes import Episode, EpisodeBook
 from harnessrl.services.gateway.metrics import GatewayMetrics
+from harnessrl.services.gateway.versions import EngineVersions
 from harnessrl.telemetry import extract_context, span_ids
 from harnessrl.v1 import events_pb2 as pb
 
@@ -70,6 +73,7 @@ class Forwarder:
         metrics: GatewayMetrics,
         tracer: trace.Tracer,
         engine_model: str,
+        versions: EngineVersions,
     ) -> None:
         self.settings = settings
         self.pool = pool
@@ -79,6 +83,7 @@ class Forwarder:
         self.metrics = metrics
         self.tracer = tracer
         self.engine_model = engine_model
+        self.versions = versions
 
     def call(
         self,
@@ -125,6 +130,7 @@ class Call:
         self._token: object = None
         self._started = time.perf_counter()
         self._started_ns = time.time_ns()
+        self._versions: Mapping[str, int] = {}  # engines' loaded versions when sent
         self.outcome = "error"
 
     async def __aenter__(self) -> Call:
@@ -166,6 +172,7 @@ class Call:
     async def complete(self) -> Upstream:
         """Forward a non-streamed call; a 200 answer is captured before it is returned."""
         body = orjson.dumps(self.upstream)
+        self._versions = self._f.versions.snapshot()
         engine, response = await self._f.pool.request(self.claims.episode_id, self.path, body)
         if response.status != 200:
             self.outcome = f"engine_{response.status}"
@@ -181,6 +188,7 @@ class Call:
         each chunk as the engine sent it. Captured only when the stream ran to its end: a
         harness that went away trained nothing."""
         body = orjson.dumps(self.upstream)
+        self._versions = self._f.versions.snapshot()
         async with self._f.pool.stream(self.claims.episode_id, self.path, body) as (
             engine,
             response,
@@ -209,11 +217,13 @@ class Call:
         self,
         completions: dict[int, Completion],
         engine: str,
-        version: str | None,
+        header: str | None,
         response_body: bytes,
     ) -> None:
         assert self._episode is not None and self._span is not None
         settings = self._f.settings
+        # The engine's own word wins; else what it had loaded when the call was sent.
+        version = int(header) if header and header.isdigit() else self._versions.get(engine, 0)
         trace_id, span_id = span_ids(self._span)
         latency_ms = (time.perf_counter() - self._started) * 1000
         cap = settings.body_capture_bytes if settings.capture_bodies else 0
@@ -240,7 +250,7 @@ class Call:
                 prompt_token_ids=completion.prompt_ids,
                 completion_token_ids=completion.ids,
                 completion_logprobs=completion.logprobs,
-                policy_version=int(version) if version and version.isdigit() else 0,
+                policy_version=version,
                 finish_reason=completion.finish_reason,
                 latency_ms=latency_ms,
                 stream=self.asked.stream,
@@ -262,7 +272,7 @@ class Call:
             self._span.set_attributes(
                 {
                     "harnessrl.engine": engine,
-                    "harnessrl.policy_version": version or "",
+                    "harnessrl.policy_version": str(version),
                     "harnessrl.choices": len(completions),
                     "harnessrl.seq": seqs,
                     "harnessrl.prompt_tokens": sum(len(c.prompt_ids) for c in completions.values()),

@@ -10,6 +10,7 @@ import orjson
 
 from harnessrl import events
 from harnessrl.bus import BusMetrics, Consumer, Context, Producer, Record, ensure_topics
+from harnessrl.bus.snapshot import read_to_end
 from harnessrl.http import HttpServer, Response
 from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, retry
@@ -22,6 +23,7 @@ from harnessrl.services.gateway.control import Gate
 from harnessrl.services.gateway.engines import EnginePool
 from harnessrl.services.gateway.episodes import EpisodeBook
 from harnessrl.services.gateway.metrics import GatewayMetrics
+from harnessrl.services.gateway.versions import EngineVersions
 from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)
@@ -47,6 +49,7 @@ class GatewayService:
         self._tasks: list[asyncio.Task[Any]] = []
         self.gate = Gate(hold_s=section.pause_hold_s, retry_after_s=section.pause_retry_after_s)
         self.book = EpisodeBook()
+        self.versions = EngineVersions()
 
     @property
     def port(self) -> int:
@@ -83,6 +86,7 @@ class GatewayService:
                 metrics=metrics,
                 tracer=runtime.tracer_provider.get_tracer("harnessrl.gateway"),
                 engine_model=engine_model,
+                versions=self.versions,
             )
             admin = Admin(
                 token=section.admin_token.get_secret_value().encode(),
@@ -90,7 +94,11 @@ class GatewayService:
                 gate=self.gate,
                 producer=producer,
                 metrics=metrics,
-                status=lambda: {"engines": section.engines, "engine_model": engine_model},
+                status=lambda: {
+                    "engines": section.engines,
+                    "engine_model": engine_model,
+                    "engine_versions": dict(self.versions.snapshot()),
+                },
             )
             secrets = [
                 s.get_secret_value().encode()
@@ -115,8 +123,7 @@ class GatewayService:
             stack.push_async_callback(self.server.stop, section.shutdown_timeout_s)
             self._background(self._topics(), "topics")
             self._background(self._sweep(admin), "sweep")
-            if section.follow_control:
-                await self._follow_control(producer, bus_metrics, stack)
+            self._follow_policy(producer, bus_metrics, stack)
             log.info(
                 "gateway serving",
                 port=self.port,
@@ -175,13 +182,53 @@ class GatewayService:
             self.book.sweep()
             admin.sweep()
 
-    async def _follow_control(
+    def _follow_policy(
         self, producer: Producer, metrics: BusMetrics, stack: AsyncExitStack
     ) -> None:
-        async def handle(record: Record, ctx: Context) -> None:
-            if record.kind != "control_command":
-                return
-            command: pb.ControlCommand = record.event  # type: ignore[assignment]
+        """Follow hrl.policy in the background: ControlCommands (with gateway.follow_control)
+        and PolicyLoaded events, whose versions are first read back from the whole topic so
+        that a restarted gateway knows what each engine serves."""
+        consumer = Consumer(
+            self._config.kafka,
+            self._config.consumer,
+            topics=[events.POLICY],
+            group_id=f"harnessrl.gateway.{self._config.instance}",
+            handler=self._on_policy,
+            producer=producer,
+            metrics=metrics,
+        )
+        rebuilt = asyncio.Event()  # from here on, stop the consumer gracefully
+
+        async def follow() -> None:
+            await retry(self._rebuild_versions, backoff=Backoff(0.5, 5.0), max_attempts=10**6)
+            rebuilt.set()
+            await consumer.run()
+
+        task = asyncio.create_task(follow(), name="policy")
+
+        async def stop() -> None:
+            await consumer.stop()
+            if not rebuilt.is_set():
+                task.cancel()  # still waiting for the broker: nothing in flight
+            await asyncio.gather(task, return_exceptions=True)
+
+        stack.push_async_callback(stop)
+
+    async def _rebuild_versions(self) -> None:
+        async for _, event, _ in read_to_end(
+            self._config.kafka, events.POLICY, client_id=f"{self._runtime.producer_name}/versions"
+        ):
+            if isinstance(event, pb.PolicyLoaded):
+                self.versions.loaded(event)
+        log.info("engine versions read", versions=dict(self.versions.snapshot()))
+
+    async def _on_policy(self, record: Record, ctx: Context) -> None:
+        event = record.event
+        if isinstance(event, pb.PolicyLoaded):
+            if self.versions.loaded(event):
+                log.info("engine version loaded", engine=event.engine, version=event.version)
+        elif isinstance(event, pb.ControlCommand) and self._config.gateway.follow_control:
+            command = event
             if command.action == pb.CONTROL_ACTION_PAUSE:
                 self.gate.pause(command.reason or "control command")
             elif command.action == pb.CONTROL_ACTION_RESUME:
@@ -191,23 +238,6 @@ class GatewayService:
                 action=pb.ControlAction.Name(command.action),
                 paused=self.gate.paused,
             )
-
-        consumer = Consumer(
-            self._config.kafka,
-            self._config.consumer,
-            topics=[events.POLICY],
-            group_id=f"harnessrl.gateway.{self._config.instance}",
-            handler=handle,
-            producer=producer,
-            metrics=metrics,
-        )
-        task = asyncio.create_task(consumer.run(), name="control")
-
-        async def stop() -> None:
-            await consumer.stop()
-            await asyncio.gather(task, return_exceptions=True)
-
-        stack.push_async_callback(stop)
 
 
 def _error_response(status: int, message: str) -> Response:

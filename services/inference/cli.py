@@ -1,4 +1,4 @@
-"""`harnessrl inference`: command-line flags of the engine (imports nothing heavy)."""
+"""`harnessrl inference` and `harnessrl vllm-sync`: command-line flags (imports nothing heavy)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ from harnessrl.cli.common import CliError, add_kafka_options, load
 
 
 def register(commands: Any) -> None:
+    _register_inference(commands)
+    _register_vllm_sync(commands)
+
+
+def _register_inference(commands: Any) -> None:
     parser = commands.add_parser(
         "inference",
         help="run the inference engine (vLLM-compatible OpenAI API)",
@@ -65,6 +70,61 @@ def run(args: argparse.Namespace) -> int:
         config.inference,
         lambda runtime: InferenceService(config, runtime),
         health_endpoint=False,
+    )
+
+
+def _register_vllm_sync(commands: Any) -> None:
+    parser = commands.add_parser(
+        "vllm-sync",
+        help="drive a vLLM server's weight swaps from hrl.policy",
+        description="Follow hrl.policy for one `vllm serve` (VLLM_SERVER_DEV_MODE=1, with the "
+        "worker extension harnessrl.weights.vllm_worker.WeightSyncWorkerExtension): load each "
+        "new policy version into it over WeightSync (pause, stage, commit, resume), publish "
+        "PolicyLoaded under the engine name the gateway uses for it, and load the newest "
+        "version again when vLLM restarts on its initial weights.",
+    )
+    parser.add_argument(
+        "--vllm-url", metavar="URL", help="root URL of the vLLM server, e.g. http://vllm:8100"
+    )
+    parser.add_argument(
+        "--engine-name",
+        metavar="URL",
+        help="its name in PolicyLoaded: the URL the gateway has for it (default --vllm-url)",
+    )
+    parser.add_argument(
+        "--pause-mode",
+        choices=["keep", "wait", "abort"],
+        help="what vLLM does with requests in flight during a swap (default keep)",
+    )
+    parser.add_argument("--host", help="interface of /healthz and /metrics (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port of /healthz and /metrics (default 8250)")
+    add_kafka_options(parser)
+    parser.set_defaults(run=run_vllm_sync)
+
+
+def run_vllm_sync(args: argparse.Namespace) -> int:
+    from harnessrl.runtime import serve
+    from harnessrl.services.inference.config import VllmSyncConfig
+    from harnessrl.services.inference.vllm_sync import VllmSyncService
+
+    flags = {
+        "vllm_url": args.vllm_url,
+        "engine_name": args.engine_name,
+        "pause_mode": args.pause_mode,
+        "host": args.host,
+        "port": args.port,
+    }
+    config = load(VllmSyncConfig, args, vllm_sync={k: v for k, v in flags.items() if v is not None})
+    if config.vllm_sync.vllm_url is None:
+        raise CliError(
+            "--vllm-url (vllm_sync.vllm_url, HARNESSRL_VLLM_SYNC__VLLM_URL) is required: "
+            "the root URL of the vLLM server, e.g. http://vllm:8100"
+        )
+    return serve(
+        "vllm-sync",
+        config,
+        config.vllm_sync,
+        lambda runtime: VllmSyncService(config, runtime),
     )
 
 

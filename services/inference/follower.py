@@ -1,30 +1,38 @@
 """Following the trainer: each PolicyVersion on hrl.policy becomes the weights served.
 
-For every announced version newer than the one served, the follower pulls it over
-WeightSync (shared memory when the trainer offers it on this host), has the engine swap it
-in between requests, and publishes PolicyLoaded. A pull that fails verification (a corrupt
-chunk, a checksum mismatch) or a state dict that does not fit the model is refused: the
-engine keeps serving its current version, the failure is logged, counted, and reported as
+For every announced version newer than the one served, the follower has its loader pull it
+over WeightSync and swap it in, and publishes PolicyLoaded. Two loaders exist: the
+project's engine (`EngineLoader`: pull, shared memory when the trainer offers it on this
+host, then swap between requests) and a `vllm serve` (services/inference/vllm_server.py,
+driven by `harnessrl vllm-sync`). A pull that fails verification (a corrupt chunk, a
+checksum mismatch) or a state dict that does not fit the model is refused: the engine keeps
+serving its current version, the failure is logged, counted, and reported as
 PolicyLoaded(ok=false). A version the trainer no longer holds (a newer one superseded it
-while this replica was away) is skipped quietly: the newer announcement follows.
+while this replica was away) is skipped quietly: the newer announcement follows. Transient
+failures (the trainer or the engine unreachable) propagate, so the consumer retries.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol
 
-import torch
 from prometheus_client import CollectorRegistry, Counter
 
 from harnessrl.bus import Context, Record
 from harnessrl.logs import get_logger
-from harnessrl.services.inference.engine import Engine
+from harnessrl.retry import is_retryable
 from harnessrl.v1 import events_pb2 as pb
+
+if TYPE_CHECKING:  # torch only where the project's engine runs
+    import torch
+
+    from harnessrl.services.inference.engine import Engine
 
 log = get_logger(__name__)
 
-Pull = Callable[[str, int], Awaitable[dict[str, torch.Tensor]]]
+Pull = Callable[[str, int], Awaitable["dict[str, torch.Tensor]"]]
 """(WeightSync address, version) -> state dict. Raises VersionGone when the trainer no
 longer holds the version, another exception when the transfer or its verification fails."""
 
@@ -33,14 +41,46 @@ class VersionGone(Exception):
     """The trainer no longer serves the requested version."""
 
 
+class WeightLoader(Protocol):
+    """What a follower drives: an engine's served version, and loading a newer one."""
+
+    @property
+    def version(self) -> int:
+        """The policy version the engine serves now (as far as the loader knows)."""
+
+    async def load(self, address: str, version: int) -> None:
+        """Serve `version`, pulled from the WeightSync server at `address`, from now on.
+
+        Raises VersionGone when the trainer no longer holds it, a retryable error
+        (harnessrl.retry.is_retryable) when the trainer or the engine cannot be reached,
+        and any other error when the version is refused: the engine then keeps serving its
+        previous weights.
+        """
+
+
+class EngineLoader:
+    """The project's own engine: pull the state dict, then swap it in between requests."""
+
+    def __init__(self, engine: Engine, pull: Pull) -> None:
+        self._engine = engine
+        self._pull = pull
+
+    @property
+    def version(self) -> int:
+        return self._engine.version
+
+    async def load(self, address: str, version: int) -> None:
+        state = await self._pull(address, version)
+        await self._engine.swap(version, state)
+
+
 class PolicyFollower:
     """Consumer handler for hrl.policy on one inference replica (idempotent per version)."""
 
     def __init__(
-        self, engine: Engine, pull: Pull, *, engine_name: str, registry: CollectorRegistry
+        self, loader: WeightLoader, *, engine_name: str, registry: CollectorRegistry
     ) -> None:
-        self._engine = engine
-        self._pull = pull
+        self._loader = loader
         self._name = engine_name
         self._loads = Counter(
             "harnessrl_engine_weight_loads",
@@ -53,12 +93,22 @@ class PolicyFollower:
         if record.kind != "policy_version":
             return
         event: pb.PolicyVersion = record.event  # type: ignore[assignment]  # kind says so
-        if event.version <= self._engine.version:
-            return  # already served (a replay, or an older announcement)
+        loaded = await self.apply(event)
+        if loaded is not None:
+            ctx.publish(loaded)
+
+    async def apply(self, event: pb.PolicyVersion) -> pb.PolicyLoaded | None:
+        """Load `event`'s version unless the engine already serves it or a newer one.
+
+        Returns the PolicyLoaded to publish (ok or refused), or None when nothing was
+        loaded (already served, or the trainer no longer holds the version). Raises the
+        loader's transient errors, for the caller to retry.
+        """
+        if event.version <= self._loader.version:
+            return None  # already served (a replay, or an older announcement)
         started = time.monotonic()
         try:
-            state = await self._pull(event.weightsync_address, event.version)
-            await self._engine.swap(event.version, state)
+            await self._loader.load(event.weightsync_address, event.version)
         except VersionGone as gone:
             self._loads.labels("skipped").inc()
             log.info(
@@ -66,36 +116,25 @@ class PolicyFollower:
                 version=event.version,
                 reason=str(gone),
             )
-            return
+            return None
         except Exception as err:
-            if _transient(err):
-                raise  # the consumer retries: the trainer may be restarting
+            if is_retryable(err):
+                raise  # the consumer retries: the trainer or the engine may be restarting
             self._loads.labels("failed").inc()
             log.error(
                 "policy version refused; still serving the previous one",
                 version=event.version,
-                serving=self._engine.version,
+                serving=self._loader.version,
                 error=str(err),
             )
-            ctx.publish(
-                pb.PolicyLoaded(
-                    version=event.version,
-                    engine=self._name,
-                    ok=False,
-                    error=f"{type(err).__name__}: {err}"[:2000],
-                    load_ms=(time.monotonic() - started) * 1000,
-                )
+            return pb.PolicyLoaded(
+                version=event.version,
+                engine=self._name,
+                ok=False,
+                error=f"{type(err).__name__}: {err}"[:2000],
+                load_ms=(time.monotonic() - started) * 1000,
             )
-            return
         load_ms = (time.monotonic() - started) * 1000
         self._loads.labels("ok").inc()
         log.info("policy version loaded", version=event.version, load_ms=round(load_ms, 1))
-        ctx.publish(
-            pb.PolicyLoaded(version=event.version, engine=self._name, ok=True, load_ms=load_ms)
-        )
-
-
-def _transient(err: BaseException) -> bool:
-    from harnessrl.retry import is_retryable
-
-    return is_retryable(err)
+        return pb.PolicyLoaded(version=event.version, engine=self._name, ok=True, load_ms=load_ms)

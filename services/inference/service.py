@@ -16,7 +16,7 @@ from harnessrl.services.inference.api import create_app
 from harnessrl.services.inference.codec import TextCodec
 from harnessrl.services.inference.config import InferenceConfig, InferenceSection
 from harnessrl.services.inference.engine import Engine
-from harnessrl.services.inference.follower import PolicyFollower, VersionGone
+from harnessrl.services.inference.follower import EngineLoader, PolicyFollower, VersionGone
 
 log = get_logger(__name__)
 
@@ -196,8 +196,7 @@ class InferenceService:
         self._producer = producer
         name = section.advertise_url or f"http://{section.host}:{self.port}"
         follower = PolicyFollower(
-            engine,
-            weightsync_puller(section.use_shared_memory),
+            EngineLoader(engine, weightsync_puller(section.use_shared_memory)),
             engine_name=name,
             registry=self._runtime.registry,
         )

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
-import httpx
 import pytest
 import pytest_asyncio
 import torch
@@ -20,41 +18,18 @@ from harnessrl.v1 import weights_pb2_grpc as pb_grpc
 from harnessrl.weights import WeightSyncClient, WeightSyncError, WeightSyncServer
 from harnessrl.weights import WeightSyncSettings as Settings
 from harnessrl.weights.chunks import GRPC_OPTIONS, MiB
-from harnessrl.weights.manifest import byte_view
 from harnessrl.weights.vllm_worker import (
-    WeightSyncWorkerExtension,
+    NotStaged,
+    served_versions_http,
     update_weights,
     update_weights_http,
 )
-from tests.weight_helpers import FaultInjector
+from tests.vllm_standin import StandInEngine, StandInVllmServer, StandInWorker
+from tests.weight_helpers import FaultInjector, same_bits, state_dict
 
 pytestmark = pytest.mark.integration
 
 Serve = Callable[..., Awaitable[WeightSyncServer]]
-
-
-def _state(dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    state = {
-        "model.embed_tokens.weight": torch.randn(64, 32, generator=generator).to(dtype),
-        "model.layers.0.self_attn.q_proj.weight": torch.randn(32, 32, generator=generator).to(
-            dtype
-        ),
-        "model.layers.0.input_layernorm.weight": torch.ones(32, dtype=dtype),
-        "model.norm.weight": torch.randn(32, generator=generator).to(dtype),
-    }
-    if dtype == torch.float32:  # bit patterns that == would not tell apart
-        state["model.norm.weight"][:3] = torch.tensor([float("nan"), -0.0, float("inf")])
-    return state
-
-
-def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return list(a) == list(b) and all(
-        a[k].dtype == b[k].dtype
-        and a[k].shape == b[k].shape
-        and bytes(byte_view(a[k].contiguous())) == bytes(byte_view(b[k].contiguous()))
-        for k in a
-    )
 
 
 def _mappings(segment: str) -> int:
@@ -83,19 +58,19 @@ async def test_grpc_fetch_equals_the_published_state_dict_bit_for_bit(
     serve: Serve, dtype: torch.dtype
 ) -> None:
     server = await serve()
-    state = _state(dtype)
+    state = state_dict(dtype)
     published = await server.publish(5, 50, state)
     async with WeightSyncClient(server.address) as client:
         assert (await client.latest()).version == 5
         result = await client.fetch(5)
     assert result.transport == "grpc"
     assert result.manifest == published
-    assert _same_bits(result.state_dict, state)
+    assert same_bits(result.state_dict, state)
 
 
 async def test_shared_memory_path_is_used_when_offered_and_unmapped_after(serve: Serve) -> None:
     server = await serve(shared_memory=True)
-    state = _state()
+    state = state_dict()
     manifest = await server.publish(1, 10, state)
     segment = manifest.shm.name
     assert manifest.shm.size >= manifest.total_bytes
@@ -106,27 +81,27 @@ async def test_shared_memory_path_is_used_when_offered_and_unmapped_after(serve:
         via_grpc = await client.fetch(1, use_shm=False)
     assert via_shm.transport == "shm"
     assert via_grpc.transport == "grpc"
-    assert _same_bits(via_shm.state_dict, state)
-    assert _same_bits(via_grpc.state_dict, state)
+    assert same_bits(via_shm.state_dict, state)
+    assert same_bits(via_grpc.state_dict, state)
     assert _mappings(segment) == maps_before
 
 
 async def test_a_segment_that_cannot_be_opened_falls_back_to_grpc(serve: Serve) -> None:
     server = await serve(shared_memory=True)
-    state = _state()
+    state = state_dict()
     manifest = await server.publish(1, 10, state)
     os.unlink(Path("/dev/shm") / manifest.shm.name)  # gone, as after an eviction
     async with WeightSyncClient(server.address) as client:
         result = await client.fetch(1)
     assert result.transport == "grpc"
-    assert _same_bits(result.state_dict, state)
+    assert same_bits(result.state_dict, state)
 
 
 async def test_publishing_then_mutating_the_source_does_not_change_what_is_served(
     serve: Serve,
 ) -> None:
     server = await serve(shared_memory=True)
-    state = _state(torch.float32)
+    state = state_dict(torch.float32)
     original = {k: v.clone() for k, v in state.items()}
     await server.publish(1, 10, state)
     with torch.no_grad():
@@ -134,14 +109,14 @@ async def test_publishing_then_mutating_the_source_does_not_change_what_is_serve
             tensor.add_(1.0)  # the trainer's next step
     async with WeightSyncClient(server.address) as client:
         for use_shm in (False, True):
-            assert _same_bits((await client.fetch(1, use_shm=use_shm)).state_dict, original)
+            assert same_bits((await client.fetch(1, use_shm=use_shm)).state_dict, original)
 
 
 async def test_unknown_and_evicted_versions_answer_not_found(serve: Serve) -> None:
     server = await serve(keep_versions=2, shared_memory=True)
-    first = await server.publish(1, 10, _state())
-    await server.publish(2, 20, _state(seed=1))
-    await server.publish(3, 30, _state(seed=2))
+    first = await server.publish(1, 10, state_dict())
+    await server.publish(2, 20, state_dict(seed=1))
+    await server.publish(3, 30, state_dict(seed=2))
     assert server.versions == [2, 3]
     assert not (Path("/dev/shm") / first.shm.name).exists()
     async with WeightSyncClient(server.address) as client:
@@ -169,9 +144,9 @@ async def test_latest_before_anything_is_published_fails_its_precondition(serve:
 
 async def test_versions_must_increase(serve: Serve) -> None:
     server = await serve()
-    await server.publish(4, 40, _state())
+    await server.publish(4, 40, state_dict())
     with pytest.raises(ValueError, match="version 4 is not newer than the latest published"):
-        await server.publish(4, 41, _state())
+        await server.publish(4, 41, state_dict())
 
 
 async def _raw_chunks(address: str, version: int, max_chunk_bytes: int) -> list[pb.WeightChunk]:
@@ -184,7 +159,7 @@ async def test_fetch_honours_a_small_max_chunk_bytes_in_manifest_and_offset_orde
     serve: Serve,
 ) -> None:
     server = await serve()
-    state = _state()
+    state = state_dict()
     manifest = await server.publish(1, 10, state)
     chunks = await _raw_chunks(server.address, 1, 1000)
     assert max(len(c.data) for c in chunks) == 1000
@@ -193,7 +168,7 @@ async def test_fetch_honours_a_small_max_chunk_bytes_in_manifest_and_offset_orde
     ]
     assert [(c.tensor, c.offset) for c in chunks] == expected
     async with WeightSyncClient(server.address, max_chunk_bytes=1000) as client:
-        assert _same_bits((await client.fetch(1)).state_dict, state)
+        assert same_bits((await client.fetch(1)).state_dict, state)
 
 
 async def test_chunks_default_to_4_mib_and_16_mib_chunks_pass_the_message_limits(
@@ -205,23 +180,23 @@ async def test_chunks_default_to_4_mib_and_16_mib_chunks_pass_the_message_limits
     default = await _raw_chunks(server.address, 1, 0)
     assert [len(c.data) for c in default] == [4 * MiB] * 4 + [2 * MiB]
     async with WeightSyncClient(server.address, max_chunk_bytes=16 * MiB) as client:
-        assert _same_bits((await client.fetch(1)).state_dict, state)
+        assert same_bits((await client.fetch(1)).state_dict, state)
 
 
 async def test_fetch_writes_into_the_tensors_it_is_given(serve: Serve) -> None:
     server = await serve()
-    await server.publish(1, 1, _state(seed=1))
-    await server.publish(2, 2, _state(seed=2))
+    await server.publish(1, 1, state_dict(seed=1))
+    await server.publish(2, 2, state_dict(seed=2))
     async with WeightSyncClient(server.address) as client:
         first = await client.fetch(1)
         second = await client.fetch(2, out=first.state_dict)
     assert all(second.state_dict[k] is first.state_dict[k] for k in first.state_dict)
-    assert _same_bits(second.state_dict, _state(seed=2))
+    assert same_bits(second.state_dict, state_dict(seed=2))
 
 
 async def test_stop_is_idempotent_and_unlinks_every_segment(serve: Serve) -> None:
     server = await serve(shared_memory=True)
-    names = [(await server.publish(v, v, _state())).shm.name for v in (1, 2)]
+    names = [(await server.publish(v, v, state_dict())).shm.name for v in (1, 2)]
     await server.stop()
     await server.stop()
     assert not any((Path("/dev/shm") / name).exists() for name in names)
@@ -252,13 +227,13 @@ async def test_a_corrupted_stream_is_rejected_naming_the_tensor(
     serve: Serve, fault: str, message: str | None
 ) -> None:
     server = await serve()
-    state = _state()
+    state = state_dict()
     await server.publish(1, 1, state)
     proxy, _, address = await _proxy(server.address, fault)
     try:
         async with WeightSyncClient(address, max_chunk_bytes=512) as client:
             if message is None:  # the plain protobuf proxy interoperates
-                assert _same_bits((await client.fetch(1)).state_dict, state)
+                assert same_bits((await client.fetch(1)).state_dict, state)
             else:
                 with pytest.raises(WeightSyncError, match=message):
                     await client.fetch(1)
@@ -268,7 +243,7 @@ async def test_a_corrupted_stream_is_rejected_naming_the_tensor(
 
 async def test_cancelling_a_fetch_cancels_its_stream(serve: Serve) -> None:
     server = await serve()
-    await server.publish(1, 1, _state())
+    await server.publish(1, 1, state_dict())
     proxy, injector, address = await _proxy(server.address, "stall")
     try:
         async with WeightSyncClient(address, max_chunk_bytes=512) as client:
@@ -282,73 +257,15 @@ async def test_cancelling_a_fetch_cancels_its_stream(serve: Serve) -> None:
         await proxy.stop(0)
 
 
-class _TinyModel(torch.nn.Module):
-    """Stand-in for a vLLM model (vLLM cannot run here): load_weights as vLLM's default
-    loader does it, copying each named checkpoint tensor into the parameter."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.params = torch.nn.ParameterDict(
-            {
-                k.replace(".", "_"): torch.nn.Parameter(torch.zeros_like(v))
-                for k, v in _state().items()
-            }
-        )
-        self.fail = False
-
-    def load_weights(self, weights: Any) -> set[str]:
-        loaded = set()
-        for name, tensor in weights:
-            if self.fail:
-                raise RuntimeError("shape mismatch in load_weights")
-            self.params[name.replace(".", "_")].data.copy_(tensor)
-            loaded.add(name)
-        return loaded
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {k: self.params[k.replace(".", "_")].detach() for k in _state()}
-
-
-class StandInWorker(WeightSyncWorkerExtension):
-    """Stand-in for a vLLM worker with the extension mixed in (vLLM cannot run here): it has
-    the one attribute the extension uses, `model_runner.model`."""
-
-    def __init__(self) -> None:
-        self.model = _TinyModel()
-        self.model_runner = type("ModelRunner", (), {"model": self.model})()
-
-
-class StandInEngine:
-    """Stand-in for vLLM's AsyncLLM (vLLM cannot run here): pause/resume are recorded and
-    collective_rpc runs the method on every worker in a thread, as vLLM's worker processes
-    would run it away from the caller's event loop."""
-
-    def __init__(self, workers: list[StandInWorker]) -> None:
-        self.workers = workers
-        self.calls: list[str] = []
-
-    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        self.calls.append(f"pause:{mode}")
-
-    async def resume_generation(self) -> None:
-        self.calls.append("resume")
-
-    async def collective_rpc(
-        self, method: str, timeout: float | None = None, args: tuple[Any, ...] = ()
-    ) -> list[Any]:
-        self.calls.append(method)
-        return [await asyncio.to_thread(getattr(w, method), *args) for w in self.workers]
-
-
 async def test_vllm_extension_stages_then_loads_a_version_into_the_model(serve: Serve) -> None:
     server = await serve(shared_memory=True)
-    await server.publish(7, 70, _state(seed=3))
+    await server.publish(7, 70, state_dict(seed=3))
     worker = StandInWorker()
     staged = await asyncio.to_thread(worker.harnessrl_stage, server.address, "7")
     assert staged["ok"] and staged["transport"] == "shm"
     assert not worker.model.state()["model.norm.weight"].any()  # staged, not loaded
     assert await asyncio.to_thread(worker.harnessrl_commit, 7) == {"version": 7, "tensors": 4}
-    assert _same_bits(worker.model.state(), _state(seed=3))
+    assert same_bits(worker.model.state(), state_dict(seed=3))
     assert worker.harnessrl_version() == 7
 
 
@@ -356,30 +273,30 @@ async def test_update_weights_swaps_on_every_worker_between_pause_and_resume(
     serve: Serve,
 ) -> None:
     server = await serve()
-    await server.publish(2, 20, _state(seed=4))
+    await server.publish(2, 20, state_dict(seed=4))
     engine = StandInEngine([StandInWorker(), StandInWorker()])
     results = await update_weights(engine, server.address, 2)
     assert [r["version"] for r in results] == [2, 2]
     assert engine.calls == ["pause:keep", "harnessrl_stage", "harnessrl_commit", "resume"]
-    assert all(_same_bits(w.model.state(), _state(seed=4)) for w in engine.workers)
+    assert all(same_bits(w.model.state(), state_dict(seed=4)) for w in engine.workers)
 
 
 async def test_update_weights_keeps_the_old_weights_when_a_worker_cannot_stage(
     serve: Serve,
 ) -> None:
     server = await serve()
-    await server.publish(1, 10, _state(seed=5))
+    await server.publish(1, 10, state_dict(seed=5))
     engine = StandInEngine([StandInWorker()])
     await update_weights(engine, server.address, 1)
     with pytest.raises(WeightSyncError, match="version 9 not loaded: 1 of 1 workers"):
         await update_weights(engine, server.address, 9)
     assert engine.calls[-3:] == ["harnessrl_stage", "harnessrl_discard", "resume"]
-    assert _same_bits(engine.workers[0].model.state(), _state(seed=5))
+    assert same_bits(engine.workers[0].model.state(), state_dict(seed=5))
 
 
 async def test_a_failed_commit_leaves_the_engine_paused(serve: Serve) -> None:
     server = await serve()
-    await server.publish(1, 10, _state())
+    await server.publish(1, 10, state_dict())
     engine = StandInEngine([StandInWorker()])
     engine.workers[0].model.fail = True
     with pytest.raises(RuntimeError, match="shape mismatch"):
@@ -389,33 +306,34 @@ async def test_a_failed_commit_leaves_the_engine_paused(serve: Serve) -> None:
 
 async def test_update_weights_http_drives_vllm_serve_endpoints(serve: Serve) -> None:
     server = await serve()
-    await server.publish(3, 30, _state(seed=6))
-    engine = StandInEngine([StandInWorker()])
-    requests: list[str] = []
+    await server.publish(3, 30, state_dict(seed=6))
+    vllm = StandInVllmServer()
+    await vllm.start()
+    try:
+        assert await served_versions_http(vllm.url) == [None]  # nothing committed yet
+        results = await update_weights_http(f"{vllm.url}/", server.address, 3)
+        assert results == [{"version": 3, "tensors": 4}]
+        assert vllm.requests[1:] == [
+            "POST /pause?mode=keep",
+            "POST /collective_rpc?",
+            "POST /collective_rpc?",
+            "POST /resume?",
+        ]
+        assert same_bits(vllm.model_state(), state_dict(seed=6))
+        assert await served_versions_http(vllm.url) == [3]
+    finally:
+        await vllm.stop()
 
-    async def vllm_serve(request: httpx.Request) -> httpx.Response:
-        """Stand-in for `vllm serve` with VLLM_SERVER_DEV_MODE=1 (vLLM cannot run here);
-        like it, collective_rpc passes the string arguments through unconverted."""
-        requests.append(f"{request.method} {request.url.path}?{request.url.query.decode()}")
-        if request.url.path == "/pause":
-            await engine.pause_generation(mode=request.url.params["mode"])
-        elif request.url.path == "/resume":
-            await engine.resume_generation()
-        else:
-            body = json.loads(request.content)
-            assert all(isinstance(a, str) for a in body["args"])
-            results = await engine.collective_rpc(body["method"], args=tuple(body["args"]))
-            return httpx.Response(200, json={"results": results})
-        return httpx.Response(200, json={"status": "ok"})
 
-    results = await update_weights_http(
-        "http://vllm:8000/", server.address, 3, transport=httpx.MockTransport(vllm_serve)
-    )
-    assert results == [{"version": 3, "tensors": 4}]
-    assert requests == [
-        "POST /pause?mode=keep",
-        "POST /collective_rpc?",
-        "POST /collective_rpc?",
-        "POST /resume?",
-    ]
-    assert _same_bits(engine.workers[0].model.state(), _state(seed=6))
+async def test_a_version_the_trainer_no_longer_holds_is_reported_gone(serve: Serve) -> None:
+    server = await serve()
+    await server.publish(1, 10, state_dict())
+    engine = StandInEngine([StandInWorker(), StandInWorker()])
+    with pytest.raises(NotStaged) as error:
+        await update_weights(engine, server.address, 9)
+    assert error.value.reasons == ["gone", "gone"]
+    await server.stop()  # the trainer away: worth another try
+    with pytest.raises(NotStaged) as error:
+        await update_weights(engine, server.address, 1)
+    assert error.value.reasons == ["unreachable", "unreachable"]
+    assert not engine.paused

@@ -23,7 +23,7 @@ from harnessrl.cli import build_parser
 from harnessrl.config import ServiceConfig, load_config
 from harnessrl.services.controller.config import ControllerConfig
 from harnessrl.services.gateway.config import GatewayConfig
-from harnessrl.services.inference.config import InferenceConfig
+from harnessrl.services.inference.config import InferenceConfig, VllmSyncConfig
 from harnessrl.services.reward.config import RewardConfig
 from harnessrl.services.sample_builder.config import SampleBuilderConfig
 from harnessrl.services.trainer.config import TrainerConfig
@@ -47,7 +47,10 @@ SERVICES: dict[str, tuple[type[ServiceConfig], str]] = {
     "reward": (RewardConfig, "reward"),
     "sample-builder": (SampleBuilderConfig, "sample_builder"),
     "trainer": (TrainerConfig, "trainer"),
+    "vllm-sync": (VllmSyncConfig, "vllm_sync"),
 }
+PROFILED = {"vllm-sync": ["gpu"]}
+"""harnessrl services that start only with a profile."""
 LONG_RUNNING = {"kafka", "jaeger", *SERVICES, "vllm", "custom-reward"}
 HEALTHZ = re.compile(r"urlopen\('http://127\.0\.0\.1:(\d+)/healthz'")
 
@@ -250,7 +253,9 @@ def test_profiles_and_restart_policy() -> None:
     services = compose()["services"]
     assert services["vllm"]["profiles"] == ["gpu"]
     assert services["custom-reward"]["profiles"] == ["custom-reward"]
-    for name in (*SERVICES, "kafka", "jaeger"):
+    for name, profiles in PROFILED.items():
+        assert services[name]["profiles"] == profiles, name
+    for name in (*SERVICES.keys() - PROFILED.keys(), "kafka", "jaeger"):
         assert not services[name].get("profiles"), f"{name} must start by default"
     for name in LONG_RUNNING:
         assert services[name].get("restart") == "unless-stopped", name
@@ -447,6 +452,24 @@ def test_vllm_profile_runs_the_worker_extension(monkeypatch: pytest.MonkeyPatch)
     assert gateway.gateway.engines == [f"http://vllm:{port}"]
     assert mounts(vllm)["/models/policy"][1]
     assert command[0] == "/models/policy"
+    assert environment(vllm)["VLLM_SERVER_DEV_MODE"] == "1"  # /pause, /resume, /collective_rpc
+
+
+def test_vllm_sync_drives_the_vllm_the_gateway_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = compose(HARNESSRL_ENGINES='["http://vllm:8100"]')
+    sync = load_service(data, "vllm-sync", monkeypatch)
+    gateway = load_service(data, "gateway", monkeypatch)
+    assert isinstance(sync, VllmSyncConfig) and isinstance(gateway, GatewayConfig)
+    section = sync.vllm_sync
+    assert section.vllm_url is not None
+    url = urlsplit(section.vllm_url)
+    vllm = data["services"][str(url.hostname)]
+    assert vllm["entrypoint"] == ["vllm", "serve"]
+    assert url.port == int(vllm["command"][vllm["command"].index("--port") + 1])
+    # The gateway stamps vLLM's calls by the engine name of its PolicyLoaded events.
+    assert (section.engine_name or section.vllm_url) in gateway.gateway.engines
+    depends = data["services"]["vllm-sync"]["depends_on"]
+    assert depends["vllm"] == depends["trainer"] == {"condition": "service_healthy"}
 
 
 def test_kafka_is_kraft_with_room_for_large_records(monkeypatch: pytest.MonkeyPatch) -> None:

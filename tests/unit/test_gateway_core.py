@@ -198,3 +198,17 @@ def test_an_episode_ranks_engines_the_same_way_every_time() -> None:
     first = {pool.ranking(f"ep-{i}")[0] for i in range(200)}
     assert first == {0, 1, 2, 3}  # spread over all engines
     assert all(pool.ranking("ep-7") == pool.ranking("ep-7") for _ in range(3))
+
+
+def test_an_engine_version_is_its_highest_successful_load_and_snapshots_stay_put() -> None:
+    from harnessrl.services.gateway.versions import EngineVersions
+    from harnessrl.v1 import events_pb2 as pb
+
+    versions = EngineVersions()
+    assert versions.loaded(pb.PolicyLoaded(version=2, engine="http://vllm:8100/", ok=True))
+    sent = versions.snapshot()  # what a call holds while it is in flight
+    assert not versions.loaded(pb.PolicyLoaded(version=3, engine="http://vllm:8100", ok=False))
+    assert versions.loaded(pb.PolicyLoaded(version=4, engine="http://vllm:8100", ok=True))
+    assert not versions.loaded(pb.PolicyLoaded(version=1, engine="http://vllm:8100", ok=True))
+    assert dict(sent) == {"http://vllm:8100": 2}
+    assert dict(versions.snapshot()) == {"http://vllm:8100": 4}

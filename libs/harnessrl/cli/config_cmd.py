@@ -17,6 +17,7 @@ SERVICES = {
     "reward": "harnessrl.services.reward.config:RewardConfig",
     "sample-builder": "harnessrl.services.sample_builder.config:SampleBuilderConfig",
     "trainer": "harnessrl.services.trainer.config:TrainerConfig",
+    "vllm-sync": "harnessrl.services.inference.config:VllmSyncConfig",
 }
 """Service name -> "module:ConfigClass" (imported only when shown)."""
 

@@ -1,0 +1,242 @@
+"""`harnessrl vllm-sync` on the real broker with a real WeightSync server, driving a stand-in
+for `vllm serve` (tests/vllm_standin.py), because vLLM cannot run here: the stand-in runs
+the real worker extension on stand-in workers behind vLLM's dev-mode HTTP endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CollectorRegistry
+
+from harnessrl import events
+from harnessrl.broker import EmbeddedBroker
+from harnessrl.bus import Producer
+from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
+from harnessrl.runtime import Runtime
+from harnessrl.services.inference.config import VllmSyncConfig, VllmSyncSection
+from harnessrl.services.inference.vllm_server import VllmUnusable
+from harnessrl.services.inference.vllm_sync import VllmSyncService
+from harnessrl.v1 import events_pb2 as pb
+from harnessrl.v1 import weights_pb2_grpc as pb_grpc
+from harnessrl.weights import WeightSyncServer
+from harnessrl.weights.settings import WeightSyncSettings
+from tests.helpers import FAST_GROUP, eventually, read_topic, topic_size
+from tests.vllm_standin import StandInVllmServer
+from tests.weight_helpers import FaultInjector, same_bits, state_dict
+
+pytestmark = pytest.mark.integration
+
+
+@pytest_asyncio.fixture
+async def weightsync() -> AsyncIterator[WeightSyncServer]:
+    server = WeightSyncServer(WeightSyncSettings(port=0))
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@pytest_asyncio.fixture
+async def vllm() -> AsyncIterator[StandInVllmServer]:
+    server = StandInVllmServer(workers=2)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@asynccontextmanager
+async def running_sync(
+    broker: EmbeddedBroker, tmp_path: Path, url: str, *, instance: str = "vllm-sync-0"
+) -> AsyncIterator[tuple[VllmSyncService, CollectorRegistry]]:
+    """A VllmSyncService for the vLLM at `url`, checking it every 0.3 s."""
+    config = VllmSyncConfig(
+        instance=instance,
+        kafka=KafkaSettings(bootstrap_servers=broker.bootstrap, partitions=3),
+        consumer=ConsumerSettings(**FAST_GROUP, retry_backoff_ms=50),
+        producer=ProducerSettings(spill_dir=tmp_path / f"spill-{instance}"),
+        vllm_sync=VllmSyncSection(port=0, vllm_url=url, check_interval_s=0.3),
+    )
+    registry = CollectorRegistry()
+    service = VllmSyncService(config, Runtime("vllm-sync", instance, registry, TracerProvider()))
+    task = asyncio.create_task(service.run())
+    try:
+        yield service, registry
+    finally:
+        await service.stop()
+        await asyncio.wait_for(task, 30)
+
+
+async def _announce(broker: EmbeddedBroker, tmp_path: Path, version: int, address: str) -> None:
+    producer = Producer(
+        KafkaSettings(bootstrap_servers=broker.bootstrap),
+        ProducerSettings(spill_dir=tmp_path / f"trainer-spill-{version}"),
+        name="trainer/test",
+    )
+    await producer.start()
+    await producer.publish(
+        pb.PolicyVersion(version=version, step=version, weightsync_address=address)
+    )
+    await producer.stop()
+
+
+async def _loaded(broker: EmbeddedBroker) -> list[pb.PolicyLoaded]:
+    """Every PolicyLoaded on hrl.policy, in order."""
+    size = await topic_size(broker.bootstrap, events.POLICY)
+    records = await read_topic(broker.bootstrap, events.POLICY, size) if size else []
+    found = [events.decode(events.POLICY, r.value) for r in records]
+    return [e.policy_loaded for e in found if e.WhichOneof("event") == "policy_loaded"]
+
+
+async def _wait_loaded(broker: EmbeddedBroker, version: int, count: int = 1) -> pb.PolicyLoaded:
+    """The `count`-th PolicyLoaded of `version`, once it is on hrl.policy."""
+
+    async def arrived() -> bool:
+        return len([e for e in await _loaded(broker) if e.version == version]) >= count
+
+    await eventually(arrived, timeout=60, interval=0.2)
+    return [e for e in await _loaded(broker) if e.version == version][count - 1]
+
+
+async def test_a_policy_version_is_swapped_into_vllm_and_reported_under_its_url(
+    broker: EmbeddedBroker,
+    weightsync: WeightSyncServer,
+    vllm: StandInVllmServer,
+    tmp_path: Path,
+) -> None:
+    await weightsync.publish(1, 1, state_dict(seed=1))
+    async with running_sync(broker, tmp_path, vllm.url) as (service, _):
+        await asyncio.wait_for(service.ready.wait(), 30)
+        assert service.health() == {"producer": True, "vllm_reachable": True, "following": True}
+        await _announce(broker, tmp_path, 1, weightsync.address)
+        loaded = await _wait_loaded(broker, 1)
+        assert loaded.ok and loaded.engine == vllm.url and loaded.load_ms > 0
+        for worker in (0, 1):
+            assert same_bits(vllm.model_state(worker), state_dict(seed=1))
+        swap = ["pause:keep", "harnessrl_stage", "harnessrl_commit", "resume"]
+        assert [c for c in vllm.engine.calls if c != "harnessrl_version"] == swap
+        assert not vllm.engine.paused
+
+
+async def test_a_refused_version_is_reported_and_the_old_weights_keep_serving(
+    broker: EmbeddedBroker,
+    weightsync: WeightSyncServer,
+    vllm: StandInVllmServer,
+    tmp_path: Path,
+) -> None:
+    await weightsync.publish(1, 1, state_dict(seed=1))
+    await weightsync.publish(2, 2, state_dict(seed=2))
+    proxy = grpc.aio.server()
+    pb_grpc.add_WeightSyncServicer_to_server(FaultInjector(weightsync.address, "flip"), proxy)
+    corrupting = f"127.0.0.1:{proxy.add_insecure_port('127.0.0.1:0')}"
+    await proxy.start()
+    try:
+        async with running_sync(broker, tmp_path, vllm.url) as (service, registry):
+            await asyncio.wait_for(service.ready.wait(), 30)
+            await _announce(broker, tmp_path, 1, weightsync.address)
+            assert (await _wait_loaded(broker, 1)).ok
+            await _announce(broker, tmp_path, 2, corrupting)  # bytes corrupted on the way
+            refused = await _wait_loaded(broker, 2)
+            assert not refused.ok and refused.engine == vllm.url
+            assert "checksum mismatch" in refused.error
+            assert same_bits(vllm.model_state(), state_dict(seed=1))
+            assert not vllm.engine.paused
+            await _announce(broker, tmp_path, 7, weightsync.address)  # never held: gone
+            await eventually(
+                lambda: (
+                    registry.get_sample_value(
+                        "harnessrl_engine_weight_loads_total", {"outcome": "skipped"}
+                    )
+                    == 1
+                )
+            )
+            await asyncio.sleep(1.0)  # several checks: neither 2 nor 7 is tried again
+            assert [(e.version, e.ok) for e in await _loaded(broker)] == [(1, True), (2, False)]
+            assert (
+                registry.get_sample_value(
+                    "harnessrl_engine_weight_loads_total", {"outcome": "failed"}
+                )
+                == 1
+            )
+            assert same_bits(vllm.model_state(), state_dict(seed=1))
+    finally:
+        await proxy.stop(0)
+
+
+async def test_a_restarted_vllm_gets_the_newest_version_again(
+    broker: EmbeddedBroker,
+    weightsync: WeightSyncServer,
+    vllm: StandInVllmServer,
+    tmp_path: Path,
+) -> None:
+    await weightsync.publish(1, 1, state_dict(seed=1))
+    await weightsync.publish(2, 2, state_dict(seed=2))
+    async with running_sync(broker, tmp_path, vllm.url) as (service, _):
+        await asyncio.wait_for(service.ready.wait(), 30)
+        await _announce(broker, tmp_path, 1, weightsync.address)
+        await _announce(broker, tmp_path, 2, weightsync.address)
+        await _wait_loaded(broker, 2)
+        await vllm.stop()  # vLLM goes away...
+        await eventually(lambda: not service.health()["vllm_reachable"], timeout=10)
+        vllm.restart()  # ...and comes back on the weights it started with
+        await vllm.start()
+        again = await _wait_loaded(broker, 2, count=2)
+        assert again.ok and again.engine == vllm.url
+        assert service.health()["vllm_reachable"]
+        for worker in (0, 1):
+            assert same_bits(vllm.model_state(worker), state_dict(seed=2))
+
+
+async def test_a_restarted_sync_reads_back_the_newest_version_and_waits_for_vllm(
+    broker: EmbeddedBroker,
+    weightsync: WeightSyncServer,
+    vllm: StandInVllmServer,
+    tmp_path: Path,
+) -> None:
+    await weightsync.publish(1, 1, state_dict(seed=1))
+    async with running_sync(broker, tmp_path, vllm.url) as (service, _):
+        await asyncio.wait_for(service.ready.wait(), 30)
+        await _announce(broker, tmp_path, 1, weightsync.address)
+        await _wait_loaded(broker, 1)
+    # While vllm-sync is down, vLLM restarts, and is not up yet when vllm-sync starts again:
+    # its group's committed offset is past version 1, so only the topic says what to load.
+    await vllm.stop()
+    vllm.restart()
+    async with running_sync(broker, tmp_path, vllm.url) as (service, _):
+        await asyncio.sleep(1.0)
+        assert not service.ready.is_set()
+        assert not service.health()["vllm_reachable"]
+        await vllm.start()
+        await asyncio.wait_for(service.ready.wait(), 30)
+        assert (await _wait_loaded(broker, 1, count=2)).ok
+        assert same_bits(vllm.model_state(), state_dict(seed=1))
+
+
+async def test_a_vllm_without_the_dev_mode_endpoints_stops_it_with_the_reason(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    vllm = StandInVllmServer(dev_mode=False)
+    await vllm.start()
+    config = VllmSyncConfig(
+        instance="vllm-sync-0",
+        kafka=KafkaSettings(bootstrap_servers=broker.bootstrap, partitions=3),
+        producer=ProducerSettings(spill_dir=tmp_path / "spill"),
+        vllm_sync=VllmSyncSection(port=0, vllm_url=vllm.url),
+    )
+    service = VllmSyncService(
+        config, Runtime("vllm-sync", "vllm-sync-0", CollectorRegistry(), TracerProvider())
+    )
+    try:
+        with pytest.raises(VllmUnusable, match=r"answered 404 .*VLLM_SERVER_DEV_MODE=1"):
+            await asyncio.wait_for(service.run(), 30)
+    finally:
+        await vllm.stop()
