@@ -133,8 +133,8 @@ class GatewayApp:
             self._f.metrics.refused("closed").inc()
             return error(409, str(err))
         except Paused as err:
-            self._f.metrics.refused("paused").inc()
-            return error(429, str(err), headers=[("retry-after", str(err.retry_after_s))])
+            self._f.metrics.refused("paused" if err.status == 429 else "recovering").inc()
+            return error(err.status, str(err), headers=[("retry-after", str(err.retry_after_s))])
         except UpstreamError as err:
             return error(err.status, str(err))
 

@@ -74,8 +74,11 @@ class Forwarder:
         tracer: trace.Tracer,
         engine_model: str,
         versions: EngineVersions,
+        recovery: Gate | None = None,
     ) -> None:
         self.settings = settings
+        self.recovery = recovery
+        """Closed while the gateway rebuilds its episodes from hrl.calls after a start."""
         self.pool = pool
         self.book = book
         self.gate = gate
@@ -134,6 +137,8 @@ class Call:
         self.outcome = "error"
 
     async def __aenter__(self) -> Call:
+        if self._f.recovery is not None:
+            await self._f.recovery.enter()
         await self._f.gate.enter()
         self._episode = self._f.book.begin(self.claims)  # raises for a closed episode
         parent = extract_context([("traceparent", self._parent.encode())]) if self._parent else None

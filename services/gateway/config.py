@@ -50,6 +50,12 @@ class GatewaySection(ServiceSection):
     """While paused, how long a new call waits for a resume before it is answered 429."""
     pause_retry_after_s: int = Field(default=5, ge=1)
     """Retry-After of a 429 answered while paused (the SDKs retry by themselves)."""
+    capture_wal: bool = True
+    """Write every ModelCall to the spill log before the call is answered (the producer's
+    WAL), so a gateway killed right after answering still delivers it when restarted."""
+    recovery_window_s: float = Field(default=86_400.0, gt=0)
+    """At start, hrl.calls is read from this long ago to learn where open episodes stood
+    (their next call seq, whether closed); make it longer than any episode token lives."""
     follow_control: bool = True
     """Obey ControlCommand (pause/resume) events on hrl.policy."""
 

@@ -11,21 +11,30 @@ import asyncio
 
 
 class Paused(Exception):
-    """The gateway stayed paused longer than a call may wait; answer 429."""
+    """The gateway stayed paused longer than a call may wait; answer 429 (or `status`)."""
 
-    def __init__(self, retry_after_s: int) -> None:
-        super().__init__(f"the gateway is paused for a policy update; retry in {retry_after_s}s")
+    def __init__(self, retry_after_s: int, *, why: str = "for a policy update", status: int = 429):
+        super().__init__(f"the gateway is paused {why}; retry in {retry_after_s}s")
         self.retry_after_s = retry_after_s
+        self.status = status
 
 
 class Gate:
     """Open or paused; calls pass `enter()` before they reach an engine."""
 
-    def __init__(self, *, hold_s: float, retry_after_s: int) -> None:
+    def __init__(
+        self,
+        *,
+        hold_s: float,
+        retry_after_s: int,
+        why: str = "for a policy update",
+        status: int = 429,
+    ) -> None:
         self._open = asyncio.Event()
         self._open.set()
         self._hold_s = hold_s
         self._retry_after_s = retry_after_s
+        self._why, self._status = why, status
         self.reason = ""
 
     @property
@@ -49,4 +58,4 @@ class Gate:
         try:
             await asyncio.wait_for(self._open.wait(), self._hold_s)
         except TimeoutError:
-            raise Paused(self._retry_after_s) from None
+            raise Paused(self._retry_after_s, why=self._why, status=self._status) from None

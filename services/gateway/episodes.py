@@ -6,6 +6,10 @@ the calls completed) and its ModelCall's delivery is kept. Closing refuses furth
 waits for those in flight, then for every ModelCall to be acknowledged, and only then may
 EpisodeClosed{call_count} be published: a consumer that sees it can count on all the calls
 being on the topic before it.
+
+A gateway that restarts (or takes over an episode) learns from hrl.calls where each episode
+stood: `restore()` records, per episode attempt, the next seq and whether it was closed, and
+the first call of such an episode after the restart goes on from there.
 """
 
 from __future__ import annotations
@@ -42,11 +46,24 @@ class Episode:
         self.pending.append(delivery)
 
 
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """An episode attempt's state as hrl.calls tells it."""
+
+    calls: int
+    """Its next seq: one more than the highest seq captured."""
+    closed_count: int | None
+    """call_count of its EpisodeClosed, if it was closed."""
+
+
 class EpisodeBook:
     """Open (and recently closed) episodes of this replica. Use from one event loop."""
 
     def __init__(self) -> None:
         self._episodes: dict[Key, Episode] = {}
+        self._restored: dict[Key, Restored] = {}
+        self._ready = asyncio.Event()
+        self._ready.set()
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -63,12 +80,30 @@ class EpisodeBook:
         """Return once no call is in progress."""
         await self._idle.wait()
 
-    def begin(self, claims: EpisodeClaims) -> Episode:
-        """Account for a new call; raises EpisodeClosedError if the episode is closed."""
+    def recovering(self) -> None:
+        """Until `restore()`, closes wait (calls are held by the gateway's recovery gate)."""
+        self._ready.clear()
+
+    def restore(self, state: dict[Key, Restored]) -> None:
+        """What hrl.calls says of episodes this book has not seen yet (after a restart)."""
+        self._restored.update(state)
+        self._ready.set()
+
+    def _episode(self, claims: EpisodeClaims) -> Episode:
         key = (claims.episode_id, claims.attempt)
         episode = self._episodes.get(key)
         if episode is None:
             episode = self._episodes[key] = Episode(claims)
+            restored = self._restored.pop(key, None)
+            if restored is not None:
+                episode.calls = restored.calls
+                episode.closed = restored.closed_count is not None
+                episode.closed_count = restored.closed_count
+        return episode
+
+    def begin(self, claims: EpisodeClaims) -> Episode:
+        """Account for a new call; raises EpisodeClosedError if the episode is closed."""
+        episode = self._episode(claims)
         if episode.closed:
             raise EpisodeClosedError(
                 f"episode {claims.episode_id} attempt {claims.attempt} is closed"
@@ -91,10 +126,8 @@ class EpisodeBook:
     async def close(self, claims: EpisodeClaims) -> Episode:
         """Refuse further calls, wait for those in flight and for every ModelCall's
         acknowledgement. Idempotent. Raises what a refused delivery raised."""
-        key = (claims.episode_id, claims.attempt)
-        episode = self._episodes.get(key)
-        if episode is None:
-            episode = self._episodes[key] = Episode(claims)
+        await self._ready.wait()
+        episode = self._episode(claims)
         episode.closed = True
         while episode.in_flight:
             await episode.idle.wait()

@@ -23,6 +23,7 @@ from harnessrl.services.gateway.control import Gate
 from harnessrl.services.gateway.engines import EnginePool
 from harnessrl.services.gateway.episodes import EpisodeBook
 from harnessrl.services.gateway.metrics import GatewayMetrics
+from harnessrl.services.gateway.recovery import recover
 from harnessrl.services.gateway.versions import EngineVersions
 from harnessrl.v1 import events_pb2 as pb
 
@@ -49,6 +50,12 @@ class GatewayService:
         self._tasks: list[asyncio.Task[Any]] = []
         self.gate = Gate(hold_s=section.pause_hold_s, retry_after_s=section.pause_retry_after_s)
         self.book = EpisodeBook()
+        self.recovery = Gate(
+            hold_s=section.pause_hold_s,
+            retry_after_s=section.pause_retry_after_s,
+            why="while it recovers its episodes after a start",
+            status=503,
+        )
         self.versions = EngineVersions()
 
     @property
@@ -64,12 +71,17 @@ class GatewayService:
         )
         bus_metrics = BusMetrics(runtime.registry)
         async with AsyncExitStack() as stack:
+            producer_settings = config.producer
+            if section.capture_wal:
+                producer_settings = producer_settings.model_copy(update={"wal": True})
             producer = Producer(
-                config.kafka, config.producer, name=runtime.producer_name, metrics=bus_metrics
+                config.kafka, producer_settings, name=runtime.producer_name, metrics=bus_metrics
             )
             await producer.start()
             stack.push_async_callback(producer.stop)
             self._producer = producer
+            self.book.recovering()
+            self.recovery.pause("recovering episodes")
             pool = EnginePool(
                 section.engines,
                 timeout_s=section.upstream_timeout_s,
@@ -87,6 +99,7 @@ class GatewayService:
                 tracer=runtime.tracer_provider.get_tracer("harnessrl.gateway"),
                 engine_model=engine_model,
                 versions=self.versions,
+                recovery=self.recovery,
             )
             admin = Admin(
                 token=section.admin_token.get_secret_value().encode(),
@@ -122,6 +135,8 @@ class GatewayService:
             await self.server.start()
             stack.push_async_callback(self.server.stop, section.shutdown_timeout_s)
             self._background(self._topics(), "topics")
+            recovering = asyncio.create_task(self._recover(producer), name="recover")
+            self._tasks.append(recovering)
             self._background(self._sweep(admin), "sweep")
             self._follow_policy(producer, bus_metrics, stack)
             log.info(
@@ -130,8 +145,12 @@ class GatewayService:
                 engines=section.engines,
                 engine_model=engine_model,
             )
-            self.ready.set()
-            await self._stopping.wait()
+            stopping = asyncio.create_task(self._stopping.wait())
+            await asyncio.wait([recovering, stopping], return_when=asyncio.FIRST_COMPLETED)
+            if recovering.done():
+                recovering.result()  # its error, if any
+                self.ready.set()
+            await stopping
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -142,6 +161,7 @@ class GatewayService:
     def health(self) -> dict[str, bool]:
         return {
             "serving": self.server is not None,
+            "recovered": not self.recovery.paused,
             "producer": self._producer is not None and self._producer.healthy,
         }
 
@@ -175,6 +195,16 @@ class GatewayService:
             await ensure_topics(
                 self._config.kafka, [events.CALLS, events.POLICY], max_attempts=10**6
             )
+
+    async def _recover(self, producer: Producer) -> None:
+        state = await recover(
+            self._config.kafka,
+            producer,
+            window_s=self._config.gateway.recovery_window_s,
+            client_id=f"{self._runtime.producer_name}/recover",
+        )
+        self.book.restore(state)
+        self.recovery.resume()
 
     async def _sweep(self, admin: Admin) -> None:
         while True:

@@ -36,9 +36,13 @@ async def end_offsets(consumer: Any, partitions: list[Any]) -> dict[Any, int]:
     return marks
 
 
-async def raw_to_end(kafka: KafkaSettings, topic: str, *, client_id: str) -> AsyncIterator[Any]:
+async def raw_to_end(
+    kafka: KafkaSettings, topic: str, *, client_id: str, since_ms: int | None = None
+) -> AsyncIterator[Any]:
     """Every raw record of `topic` that exists when called, partition by partition in
-    offset order. Raises what aiokafka raises when Kafka is unreachable."""
+    offset order; with `since_ms`, from the first record stamped at or after it (a broker
+    that cannot look offsets up by time, as Tansu, is read from the beginning: a superset).
+    Raises what aiokafka raises when Kafka is unreachable."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     consumer = AIOKafkaConsumer(
@@ -56,6 +60,17 @@ async def raw_to_end(kafka: KafkaSettings, topic: str, *, client_id: str) -> Asy
         ends = await end_offsets(consumer, partitions)
         todo = {tp for tp in partitions if ends[tp] > 0}
         await consumer.seek_to_beginning(*partitions)
+        if since_ms is not None and todo:
+            found = await consumer.offsets_for_times({tp: since_ms for tp in todo})
+            for tp in list(todo):
+                hit = found.get(tp)
+                if hit is None:
+                    todo.discard(tp)  # nothing that new
+                elif hit.timestamp is not None and hit.timestamp >= 0:
+                    if hit.offset >= ends[tp]:
+                        todo.discard(tp)
+                    else:
+                        consumer.seek(tp, hit.offset)
         while todo:
             batch = await consumer.getmany(*todo, timeout_ms=1000)
             for tp, records in batch.items():
@@ -69,12 +84,13 @@ async def raw_to_end(kafka: KafkaSettings, topic: str, *, client_id: str) -> Asy
 
 
 async def read_to_end(
-    kafka: KafkaSettings, topic: str, *, client_id: str
+    kafka: KafkaSettings, topic: str, *, client_id: str, since_ms: int | None = None
 ) -> AsyncIterator[tuple[str, Message, Any]]:
     """(event kind, event, raw record) of every decodable record of `topic` that exists when
-    called, partition by partition in offset order. Undecodable records are skipped (their
-    consumers send them to the DLQ). Raises what aiokafka raises when Kafka is unreachable."""
-    async for record in raw_to_end(kafka, topic, client_id=client_id):
+    called, partition by partition in offset order (`since_ms`: see raw_to_end). Undecodable
+    records are skipped (their consumers send them to the DLQ). Raises what aiokafka raises
+    when Kafka is unreachable."""
+    async for record in raw_to_end(kafka, topic, client_id=client_id, since_ms=since_ms):
         try:
             envelope = events.decode(topic, record.value)
         except events.DecodeError:
