@@ -10,13 +10,16 @@ from typing import Any
 
 from harnessrl import events
 from harnessrl.bus import BusMetrics, Consumer, Producer, ensure_topics
+from harnessrl.bus.snapshot import read_to_end
 from harnessrl.logs import get_logger
+from harnessrl.retry import Backoff, retry
 from harnessrl.runtime import Runtime
 from harnessrl.services.inference.api import create_app
 from harnessrl.services.inference.codec import TextCodec
 from harnessrl.services.inference.config import InferenceConfig, InferenceSection
 from harnessrl.services.inference.engine import Engine
 from harnessrl.services.inference.follower import EngineLoader, PolicyFollower, VersionGone
+from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)
 
@@ -217,6 +220,7 @@ class InferenceService:
         async def follow() -> None:
             if self._config.kafka.create_topics:
                 await ensure_topics(self._config.kafka, [events.POLICY], max_attempts=10**6)
+            await self._catch_up(follower, producer)
             ready.set()
             await consumer.run()
 
@@ -229,6 +233,38 @@ class InferenceService:
             await asyncio.gather(task, return_exceptions=True)
 
         stack.push_async_callback(stop_following)
+
+    async def _catch_up(self, follower: PolicyFollower, producer: Producer) -> None:
+        """Load the newest announced version before following: a replica started (or
+        restarted) after it was announced would otherwise serve its initial weights until
+        the next one. The consumer then skips what this already loaded."""
+        newest: pb.PolicyVersion | None = None
+
+        async def scan() -> None:
+            nonlocal newest
+            async for kind, event, _ in read_to_end(
+                self._config.kafka,
+                events.POLICY,
+                client_id=f"{self._runtime.producer_name}/catch-up",
+            ):
+                if kind == "policy_version" and (
+                    newest is None or event.version > newest.version  # type: ignore[attr-defined]
+                ):
+                    newest = event  # type: ignore[assignment]
+
+        try:
+            await retry(scan, backoff=Backoff(0.5, 5.0), max_attempts=10**6)
+            if newest is not None:
+                announced = newest
+
+                async def load() -> pb.PolicyLoaded | None:
+                    return await follower.apply(announced)
+
+                loaded = await retry(load, backoff=Backoff(0.5, 5.0), max_attempts=20)
+                if loaded is not None:
+                    await producer.publish(loaded)
+        except Exception as err:  # the consumer still brings the next version
+            log.warning("could not catch up with the newest policy version", error=repr(err))
 
     async def _stop_engine(self, engine: Engine) -> None:
         await engine.stop()

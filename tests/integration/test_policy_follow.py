@@ -169,3 +169,49 @@ async def test_a_corrupted_push_is_refused_and_the_old_version_keeps_serving(
     finally:
         await proxy.stop(0)
         await server.stop()
+
+
+async def test_a_restarted_replica_serves_the_newest_version_at_once(
+    broker: EmbeddedBroker, trained: dict[str, Any], tmp_path: Path
+) -> None:
+    """Its weights went with the process; its consumer group's offsets did not: without
+    catching up it would serve its initial weights until the next announcement."""
+    server = WeightSyncServer(WeightSyncSettings(port=0, shared_memory=False))
+    await server.start()
+    config = InferenceConfig(
+        instance="engine-again",
+        kafka=KafkaSettings(bootstrap_servers=broker.bootstrap, partitions=3),
+        consumer=ConsumerSettings(**FAST_GROUP),
+        producer=ProducerSettings(spill_dir=tmp_path / "spill-again"),
+        inference=InferenceSection(model=TINY, port=0),
+    )
+
+    async def replica(check: Any) -> None:
+        runtime = Runtime("inference", "engine-again", CollectorRegistry(), TracerProvider())
+        service = InferenceService(config, runtime)
+        task = asyncio.create_task(service.run())
+        try:
+            await asyncio.wait_for(service.ready.wait(), 60)
+            await check(f"http://127.0.0.1:{service.port}")
+        finally:
+            await service.stop()
+            await task
+
+    async def loads_version_2(base: str) -> None:
+        await server.publish(2, 2, trained)
+        await _announce(broker.bootstrap, tmp_path, 2, server.address)
+        await _loaded(broker.bootstrap, 2)
+        assert await _ask(base) == ("2", REPLY)
+
+    async def serves_version_2(base: str) -> None:
+        async def caught_up() -> bool:
+            return (await _ask(base))[0] == "2"
+
+        await eventually(caught_up, timeout=60, interval=0.3)
+        assert await _ask(base) == ("2", REPLY)
+
+    try:
+        await replica(loads_version_2)
+        await replica(serves_version_2)  # restarted: nothing new announced
+    finally:
+        await server.stop()
