@@ -84,6 +84,8 @@ class ControllerService:
         self._producer: Producer | None = None
         self.metrics = ControllerMetrics(runtime.registry)
         self.ready = asyncio.Event()
+        self.admission: Admission | None = None
+        """Versions announced and served, slots in use (set once running)."""
 
     async def run(self) -> None:
         config, section, runtime = self._config, self._config.controller, self._runtime
@@ -105,7 +107,7 @@ class ControllerService:
             await runner.start()
             stack.push_async_callback(runner.stop)
             recovered = {(r.episode_id, r.attempt): r for r in await runner.recover()}
-            admission = Admission(
+            admission = self.admission = Admission(
                 max_in_flight=section.max_in_flight,
                 sync=section.schedule == "sync",
                 max_staleness=section.max_staleness,

@@ -319,8 +319,13 @@ async def test_sync_mode_starts_episodes_only_once_engines_serve_the_announced_v
         name="trainer/t",
     )
     await producer.start()
-    async with controller(stack, tmp_path, schedule="sync"):
+    async with controller(stack, tmp_path, schedule="sync") as service:
         await producer.publish(pb.PolicyVersion(version=1, step=1))
+
+        async def announced() -> bool:  # a task consumed before the announcement would
+            return service.admission is not None and service.admission.announced >= 1
+
+        await eventually(announced, timeout=30, interval=0.1)  # start at version 0, rightly
         await _submit(
             stack.broker.bootstrap,
             tmp_path,

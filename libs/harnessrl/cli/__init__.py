@@ -11,7 +11,17 @@ import sys
 from collections.abc import Sequence
 
 from harnessrl import __version__
-from harnessrl.cli import bench, broker, config_cmd, events_cmd, experiment, submit, trace, up
+from harnessrl.cli import (
+    bench,
+    broker,
+    chaos,
+    config_cmd,
+    events_cmd,
+    experiment,
+    submit,
+    trace,
+    up,
+)
 from harnessrl.cli.common import CliError
 from harnessrl.services.controller import cli as controller
 from harnessrl.services.gateway import cli as gateway
@@ -35,6 +45,7 @@ _COMMANDS = (
     trace,
     up,
     experiment,
+    chaos,
 )
 
 

@@ -20,7 +20,6 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -28,7 +27,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from harnessrl.cli.common import Progress
-from harnessrl.experiment.ledger import KINDS, TRAIN, VAL_AFTER, VAL_BEFORE, Ledger
+from harnessrl.experiment.bus import task_bus
+from harnessrl.experiment.ledger import TRAIN, VAL_AFTER, VAL_BEFORE, Ledger
 from harnessrl.experiment.scrape import scrape
 from harnessrl.logs import get_logger
 from harnessrl.tasks import TaskLine
@@ -78,7 +78,7 @@ async def run_experiment(options: Options, progress: IO[str]) -> dict[str, Any]:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
     async with _stack(options, progress) as stack:
         ledger = Ledger()
-        async with _bus(stack, ledger) as (publish, changed):
+        async with task_bus(stack.bootstrap, ledger) as (publish, changed):
             experiment = _Experiment(
                 options, stack, ledger, publish=publish, changed=changed, progress=progress
             )
@@ -324,65 +324,3 @@ async def _stop(process: asyncio.subprocess.Process) -> None:
         except TimeoutError:
             process.kill()
             await process.wait()
-
-
-@contextlib.asynccontextmanager
-async def _bus(stack: Stack, ledger: Ledger) -> AsyncIterator[tuple[Any, asyncio.Event]]:
-    """A producer for tasks, and a follower feeding every relevant event to `ledger`."""
-    from harnessrl.bus import Producer
-    from harnessrl.config import KafkaSettings, ProducerSettings
-
-    kafka = KafkaSettings(bootstrap_servers=stack.bootstrap)
-    changed = asyncio.Event()
-    with tempfile.TemporaryDirectory(prefix="harnessrl-experiment-") as spill:
-        producer = Producer(
-            kafka, ProducerSettings(spill_dir=Path(spill), wal=False), name="experiment/0"
-        )
-        await producer.start()
-        follower = asyncio.create_task(_follow(kafka, ledger, changed), name="follow topics")
-
-        async def publish(event: Any) -> None:
-            await producer.publish(event)
-
-        try:
-            yield publish, changed
-        finally:
-            follower.cancel()
-            await asyncio.gather(follower, return_exceptions=True)
-            await producer.stop(timeout=5.0)
-
-
-async def _follow(kafka: Any, ledger: Ledger, changed: asyncio.Event) -> None:
-    from aiokafka import AIOKafkaConsumer
-
-    from harnessrl import events
-    from harnessrl.bus import client_kwargs
-
-    topics = [events.EPISODES, events.CALLS, events.REWARDS, events.SAMPLES, events.POLICY]
-    consumer = AIOKafkaConsumer(
-        **client_kwargs(kafka, "harnessrl-experiment"),
-        group_id=None,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-    )
-    await consumer.start()
-    try:
-        consumer.subscribe(topics)
-        while True:
-            batch = await consumer.getmany(timeout_ms=500)
-            for records in batch.values():
-                for record in records:
-                    _apply(ledger, record, events)
-            if batch:
-                changed.set()
-    finally:
-        await consumer.stop()
-
-
-def _apply(ledger: Ledger, record: Any, events: Any) -> None:
-    try:
-        meta, kind, event = events.unwrap(events.decode(record.topic, record.value))
-    except events.DecodeError:
-        return  # the services dead-letter what they cannot read; nothing to measure here
-    if kind in KINDS:
-        ledger.apply(kind, event, meta.created_at.ToMicroseconds() / 1e6 or time.time())

@@ -1,0 +1,47 @@
+"""`harnessrl chaos`, shortened: a minute of training on the demo stack while the gateway,
+the trainer and the controller are SIGKILLed and the broker is frozen twice; the books
+must balance (the full run, `--minutes 5`, is the issue's measurement)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_minute_of_kills_and_freezes_loses_and_doubles_nothing(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "harnessrl", "chaos", "--json", "--minutes", "1"),
+            *("--services", "gateway,trainer,controller", "--workdir", str(tmp_path / "run")),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    log = tmp_path / "run" / "stack.log"
+    tail = log.read_text()[-6000:] if log.exists() else ""
+    context = f"{done.stderr[-4000:]}\n--- stack log ---\n{tail}"
+    lines = done.stdout.strip().splitlines()
+    assert lines, context
+    figures = json.loads(lines[-1])
+    assert figures["kills"] >= 3, figures
+    assert figures["freezes"] == 2, figures
+    assert set(figures["kills_by_service"]) == {"gateway", "trainer", "controller"}, figures
+    assert figures["calls_answered"] > 0 and figures["calls_captured"] > 0, figures
+    assert figures["calls_lost"] == 0, figures
+    assert figures["calls_conflicting"] == 0, figures
+    assert figures["samples_trained_twice"] == 0, figures
+    assert figures["episodes_unaccounted"] == 0, figures
+    assert done.returncode == 0, context
+    saved = json.loads((tmp_path / "run" / "chaos.json").read_text())
+    assert [f["service"] for f in saved["faults"] if "service" in f][:3]
