@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.chaos import KILLABLE
-from harnessrl.cli.common import CliError
+from harnessrl.cli.common import CliError, read_tasks
 
 DEMO_CONFIG = Path("examples/calculator/demo.yaml")
 DEMO_TASKS = Path("examples/calculator/tasks.py")
@@ -69,7 +69,6 @@ def register(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from harnessrl.chaos.run import ChaosError, Options, run_chaos
-    from harnessrl.tasks import TaskFileError, parse_task_file
     from harnessrl.up.plan import UpError
 
     if args.minutes <= 0 or args.kill_every <= 0 or args.freeze < 0 or args.freezes < 0:
@@ -83,13 +82,7 @@ def run(args: argparse.Namespace) -> int:
     workdir = args.workdir or Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S")
     workdir.mkdir(parents=True, exist_ok=True)
     tasks_file = args.tasks or _demo_tasks(workdir)
-    try:
-        tasks = parse_task_file(tasks_file)
-    except TaskFileError as err:
-        raise CliError(str(err)) from None
-    except OSError as err:
-        raise CliError(f"{err.filename}: {err.strerror}") from None
-    tasks = [t for t in tasks if t.split == "train"]
+    tasks = [t for t in read_tasks(tasks_file) if t.split == "train"]
     if not tasks:
         raise CliError(f"{tasks_file}: no train tasks")
     options = Options(

@@ -10,12 +10,29 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # the CLI imports pydantic only when a command runs
     from harnessrl.config import ServiceConfig
+    from harnessrl.tasks import TaskLine
 
 C = TypeVar("C", bound="ServiceConfig")
 
 
 class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
+
+
+def read_tasks(path: Path, *, after_error: str = "") -> list[TaskLine]:
+    """Every task of a task file (at least one), or CliError naming the file, the line and
+    the field of the first bad one (`after_error` is appended to that message)."""
+    from harnessrl.tasks import TaskFileError, parse_task_file
+
+    try:
+        tasks = parse_task_file(path)
+    except TaskFileError as err:
+        raise CliError(f"{err}{after_error}") from None
+    except OSError as err:
+        raise CliError(f"{path}: {err.strerror}") from None
+    if not tasks:
+        raise CliError(f"{path}: no tasks in file")
+    return tasks
 
 
 def add_config_option(parser: argparse.ArgumentParser) -> None:

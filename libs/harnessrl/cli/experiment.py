@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harnessrl.cli.common import CliError, add_config_option
+from harnessrl.cli.common import CliError, add_config_option, read_tasks
 
 
 def register(commands: Any) -> None:
@@ -57,21 +57,13 @@ def register(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from harnessrl.experiment.report import write_report
     from harnessrl.experiment.run import ExperimentError, Options, run_experiment
-    from harnessrl.tasks import TaskFileError, parse_task_file
 
     if (args.config is None) == (args.stack is None):
         raise CliError("give exactly one of --config (start a stack) and --stack (use one)")
     for name in ("steps", "val_group_size", "backlog"):
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')}: must be at least 1")
-    try:
-        train, val = parse_task_file(args.train), parse_task_file(args.val)
-    except TaskFileError as err:
-        raise CliError(str(err)) from None
-    except OSError as err:
-        raise CliError(f"{err.filename}: {err.strerror}") from None
-    if not train or not val:
-        raise CliError("--train and --val: each needs at least one task")
+    train, val = read_tasks(args.train), read_tasks(args.val)
     run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     options = Options(
         run_dir=run_dir,

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from harnessrl.cli.common import CliError, Progress, add_kafka_options, load
+from harnessrl.cli.common import CliError, Progress, add_kafka_options, load, read_tasks
 
 
 def register(commands: Any) -> None:
@@ -34,16 +34,8 @@ def register(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from harnessrl.config import ServiceConfig
-    from harnessrl.tasks import TaskFileError, parse_task_file
 
-    try:
-        tasks = parse_task_file(args.file)
-    except TaskFileError as err:
-        raise CliError(f"{err}; nothing was submitted") from None
-    except OSError as err:
-        raise CliError(f"{args.file}: {err.strerror}") from None
-    if not tasks:
-        raise CliError(f"{args.file}: no tasks in file")
+    tasks = read_tasks(args.file, after_error="; nothing was submitted")
     config = load(ServiceConfig, args)
     return asyncio.run(_submit(tasks, config, args.timeout))
 
