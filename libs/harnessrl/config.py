@@ -238,3 +238,25 @@ def load_config(cls: type[C], config_file: Path | str | None = None, **overrides
 def masked(config: BaseModel) -> dict[str, Any]:
     """The config as JSON-ready data, with every secret replaced by "**********"."""
     return config.model_dump(mode="json")  # SecretStr serialises as "**********"
+
+
+def secret_values(config: BaseModel) -> list[str]:
+    """Every SecretStr value set anywhere in `config` (nested sections, lists, dicts): what
+    a process masks in its logs."""
+    found: list[str] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, SecretStr):
+            found.append(value.get_secret_value())
+        elif isinstance(value, BaseModel):
+            for name in type(value).model_fields:
+                walk(getattr(value, name))
+        elif isinstance(value, list | tuple):
+            for item in value:
+                walk(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+
+    walk(config)
+    return found

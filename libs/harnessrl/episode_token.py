@@ -14,6 +14,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import orjson
 
 Mode = Literal["train", "val"]
 _VERSION = 1
+_BASE64URL = re.compile(r"[A-Za-z0-9_-]+")
 
 
 class TokenError(Exception):
@@ -70,15 +72,15 @@ def verify(token: str, secrets: Sequence[bytes], now: float | None = None) -> Ep
 
     Any of `secrets` may have signed it (the first is the current one; the others let a
     rotation finish). Checks the signature before reading the payload, in constant time.
+    Only the exact string `mint` made verifies: the MAC is compared as its canonical
+    base64url text, so no other spelling of a valid token (extra characters, which a
+    lenient decoder would skip, or other unused low bits) is accepted.
     """
     payload, dot, mac = token.partition(".")
-    if not dot or not payload or not mac:
-        raise TokenError("malformed", "episode token: not <payload>.<mac>")
-    try:
-        given = _unb64(mac)
-    except (binascii.Error, ValueError):
-        raise TokenError("malformed", "episode token: MAC is not base64url") from None
-    if not any(hmac.compare_digest(given, _mac(payload, s)) for s in secrets):
+    if not dot or not _BASE64URL.fullmatch(payload) or not _BASE64URL.fullmatch(mac):
+        raise TokenError("malformed", "episode token: not <payload>.<mac> in base64url")
+    given = mac.encode("ascii")
+    if not any(hmac.compare_digest(given, _b64(_mac(payload, s)).encode()) for s in secrets):
         raise TokenError("forged", "episode token: signature does not match")
     try:
         data = orjson.loads(_unb64(payload))

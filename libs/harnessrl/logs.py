@@ -9,7 +9,11 @@ writes (format "json")
      "msg": "consumer started", "topics": ["hrl.calls"], ..., "trace_id": "...", "span_id": "..."}
 
 Fields whose name looks like a secret (password, token, secret, api key, authorization) are
-masked whatever their value, so a careless call cannot leak one.
+masked whatever their value, so a careless call cannot leak one. Whatever the field, the
+message or the traceback, anything shaped like an episode token (a base64url JSON payload, a
+dot, a MAC: JWTs too) is masked, and so is every secret value the process registered
+(`configure_logging(..., secrets=...)`: the SecretStr values of its config), so a token in a
+request path or a secret in an exception's text never reaches a log line.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import IO, Any
 
@@ -32,6 +37,25 @@ _SECRET_NAME = re.compile(
 )
 _MASK = "**********"
 _FIELDS = "hrl_fields"
+# `<base64url of '{"...'>.<base64url MAC>`: episode tokens (harnessrl.episode_token), JWTs.
+_TOKEN_SHAPE = r"eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{16,}(?:\.[A-Za-z0-9_-]+)?"
+_MIN_SECRET = 8  # shorter registered values would mask ordinary words; they are not masked
+
+
+class Redactor:
+    """Masks episode tokens and the given secret values in text (as written, or as JSON
+    escapes them inside a string)."""
+
+    __slots__ = ("_pattern",)
+
+    def __init__(self, secrets: Iterable[str] = ()) -> None:
+        values = {s for s in secrets if len(s) >= _MIN_SECRET}
+        values |= {orjson.dumps(s).decode()[1:-1] for s in values}
+        alternatives = [re.escape(v) for v in sorted(values, key=len, reverse=True)]
+        self._pattern = re.compile("|".join([_TOKEN_SHAPE, *alternatives]))
+
+    def __call__(self, text: str) -> str:
+        return self._pattern.sub(_MASK, text)
 
 
 class Log:
@@ -86,25 +110,27 @@ def _record_data(record: logging.LogRecord, service: str) -> dict[str, Any]:
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line."""
+    """One JSON object per line, redacted (see the module docstring)."""
 
-    def __init__(self, service: str) -> None:
+    def __init__(self, service: str, secrets: Iterable[str] = ()) -> None:
         super().__init__()
         self._service = service
+        self._redact = Redactor(secrets)
 
     def format(self, record: logging.LogRecord) -> str:
         data = _record_data(record, self._service)
         if record.exc_info:
             data["exc"] = self.formatException(record.exc_info)
-        return orjson.dumps(data, default=str).decode()
+        return self._redact(orjson.dumps(data, default=str).decode())
 
 
 class TextFormatter(logging.Formatter):
-    """`time level service message key=value ...` for people reading a terminal."""
+    """`time level service message key=value ...` for people reading a terminal, redacted."""
 
-    def __init__(self, service: str) -> None:
+    def __init__(self, service: str, secrets: Iterable[str] = ()) -> None:
         super().__init__()
         self._service = service
+        self._redact = Redactor(secrets)
 
     def format(self, record: logging.LogRecord) -> str:
         data = _record_data(record, self._service)
@@ -115,7 +141,7 @@ class TextFormatter(logging.Formatter):
         line = f"{head} {msg}" + (f" {fields}" if fields else "")
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
-        return line
+        return self._redact(line)
 
 
 def _text(value: Any) -> str:
@@ -123,13 +149,20 @@ def _text(value: Any) -> str:
     return f'"{text}"' if " " in text else text
 
 
-def configure_logging(service: str, settings: LogSettings, stream: IO[str] | None = None) -> None:
-    """Route all logging (ours and libraries') through one handler in the chosen format.
+def configure_logging(
+    service: str,
+    settings: LogSettings,
+    stream: IO[str] | None = None,
+    secrets: Iterable[str] = (),
+) -> None:
+    """Route all logging (ours and libraries') through one handler in the chosen format,
+    masking `secrets` (values of at least 8 characters) wherever they appear.
 
     Called once by a process entry point; replaces handlers installed earlier.
     """
     handler = logging.StreamHandler(stream or sys.stderr)
-    formatter = JsonFormatter(service) if settings.format == "json" else TextFormatter(service)
+    kind = JsonFormatter if settings.format == "json" else TextFormatter
+    formatter = kind(service, secrets)
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]

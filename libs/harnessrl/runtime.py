@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry, Info, ProcessCollector
 
 from harnessrl import __version__
-from harnessrl.config import ServiceConfig, ServiceSection
+from harnessrl.config import ServiceConfig, ServiceSection, secret_values
 from harnessrl.health import HealthServer
 from harnessrl.logs import configure_logging, get_logger
 from harnessrl.telemetry import create_tracer_provider
@@ -68,7 +68,7 @@ def serve(
 
     `health_endpoint=False` for services that serve /healthz and /metrics themselves.
     """
-    configure_logging(name, config.log)
+    configure_logging(name, config.log, secrets=secret_values(config))
     return asyncio.run(_serve(name, config, section, build, health_endpoint))
 
 

@@ -136,6 +136,17 @@ class ControllerSection(ServiceSection):
 
     _secrets = field_validator("token_secret", "admin_token")(real_secret)
 
+    @field_validator("inherit_env")
+    @classmethod
+    def _inherit_env(cls, value: list[str]) -> list[str]:
+        settings = [name for name in value if name.upper().startswith("HARNESSRL_")]
+        if settings:
+            raise ValueError(
+                f"{', '.join(settings)}: HARNESSRL_* variables are the services' settings "
+                "(their secrets among them); a harness never inherits them"
+            )
+        return value
+
 
 class ControllerConfig(ServiceConfig):
     """Settings of the episode controller."""

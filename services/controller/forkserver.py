@@ -70,10 +70,15 @@ class ForkedProcess:
 
 
 class ForkServer:
-    """The runner's side: starts the server, sends it runs, follows their exits."""
+    """The runner's side: starts the server, sends it runs, follows their exits.
 
-    def __init__(self, preload: list[str]) -> None:
+    The server process gets only `env` (the variables runs may inherit), never the
+    controller's own environment: a forked run's /proc/self/environ is the server's.
+    """
+
+    def __init__(self, preload: list[str], env: dict[str, str]) -> None:
         self.preload = preload
+        self.env = env
         self._process: asyncio.subprocess.Process | None = None
         self._socket: socket.socket | None = None
         self._lock = asyncio.Lock()
@@ -92,7 +97,7 @@ class ForkServer:
                 sys.executable, "-m", "harnessrl.services.controller.forkserver",
                 str(theirs.fileno()), *self.preload,
                 pass_fds=[theirs.fileno()], stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, start_new_session=True,
+                stdout=asyncio.subprocess.PIPE, start_new_session=True, env=self.env,
             )  # fmt: skip
         finally:
             theirs.close()

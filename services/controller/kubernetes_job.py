@@ -13,8 +13,11 @@ values, so `$` in a value placed there is written `$$`: the harness sees the exa
 
 The runner then owns: the name, the namespace, the harnessrl labels and annotations (Job and
 pod template), the LaunchSpec env in every container (its values win over the template's),
-`ttlSecondsAfterFinished` and `activeDeadlineSeconds`; `backoffLimit: 0` and
-`restartPolicy: Never` unless the template sets them. Everything here is pure.
+`ttlSecondsAfterFinished` and `activeDeadlineSeconds`; `backoffLimit: 0`,
+`restartPolicy: Never`, `enableServiceLinks: false` (else Kubernetes writes the address of
+every Service in the namespace, the reward service and Kafka among them, into the harness's
+environment) and `automountServiceAccountToken: false` (no Kubernetes API credentials in the
+harness) unless the template sets them. Everything here is pure.
 """
 
 from __future__ import annotations
@@ -158,6 +161,8 @@ class JobTemplate:
         pod = job_spec["template"]
         _merge_meta(pod.setdefault("metadata", {}), labels, annotations)
         pod["spec"].setdefault("restartPolicy", "Never")
+        pod["spec"].setdefault("enableServiceLinks", False)
+        pod["spec"].setdefault("automountServiceAccountToken", False)
         env = [{"name": k, "value": v.replace("$", "$$")} for k, v in spec.env.items()]
         for key in _CONTAINER_LISTS:
             for container in pod["spec"].get(key) or []:

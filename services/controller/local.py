@@ -78,7 +78,7 @@ class LocalRun:
         assert self._spec is not None
         spec = self._spec
         self.workdir.mkdir(parents=True, exist_ok=True)
-        inherited = {k: os.environ[k] for k in self._runner.inherit_env if k in os.environ}
+        inherited = self._runner.inherited_env()
         env = {**inherited, **spec.env, "HARNESSRL_OUTPUT": str(self.workdir / "result.json")}
         forkserver = await self._runner.forkserver(spec)
         if forkserver is not None:
@@ -291,7 +291,7 @@ class LocalRunner:
 
     async def _forkserver(self, preload: tuple[str, ...]) -> ForkServer | None:
         if preload not in self._forkservers:
-            started: ForkServer | None = ForkServer(list(preload))
+            started: ForkServer | None = ForkServer(list(preload), self.inherited_env())
             try:
                 await started.start()  # type: ignore[union-attr]
             except (OSError, RuntimeError) as err:
@@ -300,6 +300,10 @@ class LocalRunner:
             self._forkservers[preload] = started
         server = self._forkservers[preload]
         return server if server is not None and server.alive else None
+
+    def inherited_env(self) -> dict[str, str]:
+        """The variables of the controller's environment that harnesses inherit."""
+        return {k: os.environ[k] for k in self.inherit_env if k in os.environ}
 
     async def launch(self, spec: LaunchSpec) -> Run:
         run = LocalRun(

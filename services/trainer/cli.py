@@ -66,11 +66,12 @@ def _service(config: Any, runtime: Any) -> Any:
 
 def _follow(config: Any) -> int:
     """A non-leader rank: train on each batch the leader shares, until it shares None."""
+    from harnessrl.config import secret_values
     from harnessrl.logs import configure_logging
     from harnessrl.services.trainer.checkpoint import Checkpoints
     from harnessrl.services.trainer.policy import Policy
 
-    configure_logging("trainer", config.log)
+    configure_logging("trainer", config.log, secrets=secret_values(config))
     policy = Policy.load(config.trainer)
     checkpoints = Checkpoints(config.trainer.checkpoint_dir, keep=config.trainer.keep_checkpoints)
     latest = checkpoints.latest()

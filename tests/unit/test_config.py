@@ -88,3 +88,11 @@ def test_every_field_has_a_description() -> None:
     assert "kafka.bootstrap_servers" in described
     assert "broker.listen_port" in described
     assert "producer.spill_dir" in described
+
+
+def test_a_harness_may_not_inherit_the_services_settings() -> None:
+    from harnessrl.services.controller.config import ControllerSection
+
+    with pytest.raises(ValidationError, match="HARNESSRL_CONTROLLER__TOKEN_SECRET: HARNESSRL_"):
+        ControllerSection(inherit_env=["PATH", "HARNESSRL_CONTROLLER__TOKEN_SECRET"])
+    assert ControllerSection(inherit_env=["PATH"]).inherit_env == ["PATH"]

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import base64
+import hmac
+import string
 import time
 
+import orjson
 import pytest
 
 from harnessrl.episode_token import EpisodeClaims, TokenError, mint, verify
@@ -69,3 +73,98 @@ def test_garbage_is_refused_as_malformed_or_forged(token: str) -> None:
 def test_short_secrets_are_refused() -> None:
     with pytest.raises(ValueError, match="at least 16 bytes"):
         mint(CLAIMS, b"short")
+
+
+def _resigned_claims(token: str, **changes: object) -> str:
+    """`token` with some claims changed in its payload and its old MAC kept."""
+    payload, mac = token.split(".")
+    data = orjson.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    data.update(changes)
+    forged = base64.urlsafe_b64encode(orjson.dumps(data)).rstrip(b"=").decode()
+    return f"{forged}.{mac}"
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"e": "ep-2"},
+        {"a": 3},
+        {"g": "g-2"},
+        {"m": "val"},
+        {"x": CLAIMS.expires_at + 86_400},
+        {"t": ""},
+        {"v": 2},
+    ],
+)
+def test_any_altered_claim_under_the_old_mac_is_refused_as_forged(
+    changes: dict[str, object],
+) -> None:
+    with pytest.raises(TokenError) as info:
+        verify(_resigned_claims(mint(CLAIMS, SECRET), **changes), [SECRET])
+    assert info.value.reason == "forged"
+
+
+def _other_low_bits(token: str) -> str:
+    """The same token with the unused low bits of the MAC's last base64 character set."""
+    alphabet = string.ascii_uppercase + string.ascii_lowercase + string.digits + "-_"
+    last = alphabet[alphabet.index(token[-1]) ^ 1]  # 32 bytes: 43 chars, 2 bits unused
+    return token[:-1] + last
+
+
+def test_only_the_exact_minted_string_verifies() -> None:
+    token = mint(CLAIMS, SECRET)
+    variants = [token + "!!!!", token + "====", token + "\n", " " + token, _other_low_bits(token)]
+    assert base64.urlsafe_b64decode(_other_low_bits(token).split(".")[1] + "=") == (
+        base64.urlsafe_b64decode(token.split(".")[1] + "=")
+    )  # a lenient decoder reads the same MAC from that spelling
+    for variant in variants:
+        with pytest.raises(TokenError):
+            verify(variant, [SECRET])
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        "eyJhbGciOiJub25lIn0.",  # an unsigned token, JWT alg=none style
+        "eyJhbGciOiJub25lIn0.eyJlIjoiZXAtMSJ9.",  # a JWT-shaped header.payload.signature
+        "eyJhbGciOiJub25lIn0..c2ln",
+    ],
+)
+def test_tokens_without_a_mac_or_with_a_header_are_malformed(token: str) -> None:
+    with pytest.raises(TokenError) as info:
+        verify(token, [SECRET])
+    assert info.value.reason == "malformed"
+
+
+def test_a_token_expires_exactly_at_its_expiry_without_a_skew_margin() -> None:
+    expires_at = round(time.time() + 60, 3)
+    token = mint(EpisodeClaims("ep-1", 1, "g", "train", expires_at), SECRET)
+    assert verify(token, [SECRET], now=expires_at - 0.001).episode_id == "ep-1"
+    with pytest.raises(TokenError) as info:
+        verify(token, [SECRET], now=expires_at)
+    assert info.value.reason == "expired"
+
+
+def test_a_rotated_out_secret_no_longer_verifies() -> None:
+    old = b"o" * 32
+    token = mint(CLAIMS, old)
+    assert verify(token, [SECRET, old]).episode_id == "ep-1"
+    with pytest.raises(TokenError) as info:
+        verify(token, [SECRET])
+    assert info.value.reason == "forged"
+
+
+def test_the_mac_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    compared: list[bytes] = []
+    real = hmac.compare_digest
+
+    def spy(given: bytes, expected: bytes) -> bool:
+        compared.append(given)
+        return real(given, expected)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    token = mint(CLAIMS, SECRET)
+    verify(token, [SECRET])
+    with pytest.raises(TokenError):
+        verify(token, [b"x" * 32, b"y" * 32])
+    assert compared == [token.split(".")[1].encode()] * 3  # once per secret tried

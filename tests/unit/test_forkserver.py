@@ -14,7 +14,8 @@ from harnessrl.services.controller.forkserver import ForkServer, forkable
 SCRIPT = """
 import json, os, sys
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
-                  "env": dict(os.environ), "json_loaded": "json" in sys.modules}))
+                  "env": dict(os.environ), "json_loaded": "json" in sys.modules,
+                  "proc_environ": open("/proc/self/environ", "rb").read().decode()}))
 sys.exit(int(os.environ.get("EXIT", "0")))
 """
 
@@ -41,7 +42,7 @@ async def test_a_forked_run_has_its_own_argv_cwd_env_session_and_exit_code(
     workdir = tmp_path / "run"
     workdir.mkdir()
     os.environ["HARNESSRL_TEST_SECRET"] = "controller-only"
-    server = ForkServer(["json"])
+    server = ForkServer(["json"], {"PATH": os.environ["PATH"]})
     await server.start()
     try:
         process = await server.spawn(
@@ -56,6 +57,9 @@ async def test_a_forked_run_has_its_own_argv_cwd_env_session_and_exit_code(
         assert seen["cwd"] == str(workdir)
         assert seen["path0"] == str(tmp_path)
         assert seen["env"] == {"EXIT": "3", "ONLY": "this"}  # nothing of the controller's
+        # The environment block the process started with is the server's: still none of it.
+        assert "controller-only" not in seen["proc_environ"]
+        assert "PATH=" in seen["proc_environ"]
         assert seen["json_loaded"]
     finally:
         del os.environ["HARNESSRL_TEST_SECRET"]
@@ -69,7 +73,7 @@ async def test_a_crash_is_exit_1_with_a_traceback_and_a_kill_is_reported(
     crash.write_text("raise ValueError('boom')\n")
     sleeper = tmp_path / "sleep.py"
     sleeper.write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
-    server = ForkServer([])
+    server = ForkServer([], {})
     await server.start()
     try:
         process = await server.spawn(("python", str(crash)), tmp_path, {})
@@ -89,7 +93,7 @@ async def test_a_crash_is_exit_1_with_a_traceback_and_a_kill_is_reported(
 
 
 async def test_a_dead_server_refuses_new_runs(tmp_path: Path) -> None:
-    server = ForkServer([])
+    server = ForkServer([], {})
     await server.start()
     await server.stop()
     with pytest.raises(OSError):

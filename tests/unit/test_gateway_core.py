@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from harnessrl.episode_token import EpisodeClaims
+from harnessrl.http import Request
+from harnessrl.services.gateway.admin import Admin
 from harnessrl.services.gateway.capture import (
     CHAT,
     COMPLETIONS,
@@ -19,6 +23,7 @@ from harnessrl.services.gateway.capture import (
 from harnessrl.services.gateway.config import SamplingOverrides
 from harnessrl.services.gateway.control import Gate, Paused
 from harnessrl.services.gateway.episodes import EpisodeBook, EpisodeClosedError
+from harnessrl.services.gateway.metrics import GatewayMetrics
 
 CLAIMS = EpisodeClaims("ep", 1, "g", "train", time.time() + 86_400)
 
@@ -212,3 +217,33 @@ def test_an_engine_version_is_its_highest_successful_load_and_snapshots_stay_put
     assert not versions.loaded(pb.PolicyLoaded(version=1, engine="http://vllm:8100", ok=True))
     assert dict(sent) == {"http://vllm:8100": 2}
     assert dict(versions.snapshot()) == {"http://vllm:8100": 4}
+
+
+async def test_the_admin_token_is_compared_in_constant_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    compared: list[bytes] = []
+    real = hmac.compare_digest
+
+    def spy(given: bytes, expected: bytes) -> bool:
+        compared.append(expected)
+        return real(given, expected)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    admin = Admin(
+        token=b"admin-token-0123456789",
+        book=EpisodeBook(),
+        gate=Gate(hold_s=0, retry_after_s=1),
+        producer=None,  # type: ignore[arg-type]  # status and refusals publish nothing
+        metrics=GatewayMetrics(CollectorRegistry()),
+        status=dict,
+    )
+
+    def status(authorization: str) -> Request:
+        headers = {"authorization": authorization}
+        return Request("GET", "/admin/status", "", headers, [], b"", None, "1.1", asyncio.Event())
+
+    wrong = await admin.handle(status("Bearer admin-token-0123456788"))
+    right = await admin.handle(status("Bearer admin-token-0123456789"))
+    assert (wrong.status, right.status) == (401, 200)
+    assert compared == [b"Bearer admin-token-0123456789"] * 2

@@ -159,6 +159,20 @@ def test_template_backoff_limit_and_restart_policy_are_kept() -> None:
     assert job["spec"]["activeDeadlineSeconds"] == 1
 
 
+def test_harness_pods_get_no_service_links_nor_api_token_unless_the_template_asks() -> None:
+    # Service links would put every Service's address (reward, Kafka) in the harness's env.
+    pod = render(make_spec())["spec"]["template"]["spec"]
+    assert pod["enableServiceLinks"] is False
+    assert pod["automountServiceAccountToken"] is False
+    template = TEMPLATE.replace(
+        "      containers:",
+        "      enableServiceLinks: true\n      automountServiceAccountToken: true\n"
+        "      containers:",
+    )
+    pod = render(make_spec(), template)["spec"]["template"]["spec"]
+    assert pod["enableServiceLinks"] is True and pod["automountServiceAccountToken"] is True
+
+
 def test_placeholder_in_a_key_is_refused() -> None:
     template = TEMPLATE.replace("    note:", "    ${EPISODE_ID}:")
     with pytest.raises(TemplateError, match=r"metadata.annotations.*values only"):

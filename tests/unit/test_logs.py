@@ -5,11 +5,17 @@ from __future__ import annotations
 import io
 import json
 import logging
+import time
 
+import pytest
 from opentelemetry.sdk.trace import TracerProvider
+from pydantic import SecretStr
 
-from harnessrl.config import LogSettings
+from harnessrl.config import KafkaSettings, LogSettings, secret_values
+from harnessrl.episode_token import EpisodeClaims, mint
 from harnessrl.logs import configure_logging, get_logger
+from harnessrl.runtime import serve
+from harnessrl.services.gateway.config import GatewayConfig, GatewaySection
 
 
 def test_json_lines_carry_fields_and_the_current_trace_id() -> None:
@@ -73,3 +79,95 @@ def test_exceptions_include_the_traceback() -> None:
     data = json.loads(stream.getvalue().strip())
     assert "ValueError: boom" in data["exc"]
     assert data["step"] == 3
+
+
+TOKEN = mint(EpisodeClaims("ep-1", 1, "g-1", "train", time.time() + 600), b"k" * 32)
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_episode_tokens_are_masked_in_fields_messages_and_tracebacks(fmt: str) -> None:
+    stream = io.StringIO()
+    configure_logging("gateway", LogSettings(format=fmt), stream)
+    log = get_logger("harnessrl.test")
+    log.info("request refused", path=f"/e/{TOKEN}/v1/chat/completions", status=413)
+    log.info(f"calling {TOKEN}", urls=[f"http://gw/e/{TOKEN}/v1"], nested={"k": [TOKEN]})
+    try:
+        raise RuntimeError(f"could not use {TOKEN}")
+    except RuntimeError:
+        log.exception("failed")
+    text = stream.getvalue()
+    logging.getLogger().handlers.clear()
+    assert TOKEN not in text and TOKEN.split(".")[1] not in text
+    assert "/e/**********/v1/chat/completions" in text
+    assert text.count("**********") == 5  # path, message, list, nested dict, exception
+
+
+def test_registered_secret_values_are_masked_wherever_they_appear() -> None:
+    stream = io.StringIO()
+    secrets = ["admin-token-0123456789", 'quote"and\\slash-secret', "short"]
+    configure_logging("controller", LogSettings(format="json"), stream, secrets=secrets)
+    log = get_logger("harnessrl.test")
+    log.warning("closing failed", error=f"HTTP 401 for Bearer {secrets[0]}")
+    log.info(secrets[1], detail={"header": secrets[1]})
+    log.info("a short word", word="short")
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    logging.getLogger().handlers.clear()
+    assert lines[0]["error"] == "HTTP 401 for Bearer **********"
+    assert lines[1]["msg"] == "**********" and lines[1]["detail"] == {"header": "**********"}
+    assert lines[2]["word"] == "short"  # under 8 characters: not masked by value
+
+
+def test_secret_values_are_every_secret_of_a_config() -> None:
+    config = GatewayConfig(
+        kafka=KafkaSettings(sasl_password=SecretStr("kafka-password")),
+        gateway=GatewaySection(
+            token_secret=SecretStr("token-secret-0123456789"),
+            previous_token_secrets=[SecretStr("old-secret-0123456789")],
+            admin_token=SecretStr("admin-token-0123456789"),
+        ),
+    )
+    assert sorted(secret_values(config)) == [
+        "admin-token-0123456789",
+        "kafka-password",
+        "old-secret-0123456789",
+        "token-secret-0123456789",
+    ]
+
+
+class _Chatty:
+    """A service that logs its config's secrets, and an episode token, then stops."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self._config = config
+
+    async def run(self) -> None:
+        section = self._config.gateway
+        assert section.token_secret is not None and section.admin_token is not None
+        get_logger("harnessrl.test").error(
+            "oops",
+            detail=f"{section.token_secret.get_secret_value()} "
+            f"{section.admin_token.get_secret_value()} {TOKEN}",
+        )
+
+    async def stop(self) -> None:
+        return None
+
+    def health(self) -> dict[str, bool]:
+        return {}
+
+
+def test_a_served_process_masks_the_secrets_of_its_config(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = GatewayConfig(
+        gateway=GatewaySection(
+            port=0,
+            token_secret=SecretStr("token-secret-0123456789"),
+            admin_token=SecretStr("admin-token-0123456789"),
+        )
+    )
+    assert serve("gateway", config, config.gateway, lambda _: _Chatty(config)) == 0
+    logging.getLogger().handlers.clear()
+    err = capsys.readouterr().err
+    (line,) = [json.loads(x) for x in err.splitlines() if '"oops"' in x]
+    assert line["detail"] == "********** ********** **********"
