@@ -60,6 +60,8 @@ def prepare(
         upstream["temperature"] = overrides.temperature
     if overrides.top_p is not None:
         upstream["top_p"] = overrides.top_p
+    for name in overrides.drop:
+        upstream.pop(name, None)
     return upstream, asked
 
 

@@ -14,6 +14,9 @@ class SamplingOverrides(Section):
     """Temperature the engine samples with."""
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     """Nucleus top_p the engine samples with."""
+    drop: list[str] = []
+    """Request fields removed before the engine sees them (sampling settings the trainer's
+    recomputed log-probs would not reflect)."""
 
 
 class GatewaySection(ServiceSection):
@@ -34,12 +37,34 @@ class GatewaySection(ServiceSection):
     """Bearer token of the admin API (close, pause, resume, drain); required."""
     max_body_bytes: int = Field(default=8 * MiB, ge=1024)
     """Largest request body accepted (413 beyond)."""
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """A request head must arrive within this, however slowly its bytes trickle (408)."""
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    """A request body must arrive within this after its head (408)."""
+    keepalive_timeout_s: float = Field(default=75.0, gt=0)
+    """An idle keep-alive connection is closed after this."""
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     """Longest a call may wait for its engine."""
     upstream_attempts: int = Field(default=3, ge=1)
     """Attempts at a call whose engine fails transiently (connection refused, 502/503/504)."""
-    train: SamplingOverrides = SamplingOverrides(temperature=1.0, top_p=1.0)
-    """Sampling forced on training episodes: by default the policy's own distribution."""
+    train: SamplingOverrides = SamplingOverrides(
+        temperature=1.0,
+        top_p=1.0,
+        drop=[
+            "top_k",
+            "min_p",
+            "typical_p",
+            "logit_bias",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "min_tokens",
+            "bad_words",
+            "allowed_token_ids",
+        ],
+    )
+    """Sampling forced on training episodes: by default the policy's own distribution (the
+    trainer recomputes log-probs at the recorded temperature and nothing else)."""
     val: SamplingOverrides = SamplingOverrides()
     """Sampling forced on validation episodes (default: the harness's own settings)."""
     capture_bodies: bool = False

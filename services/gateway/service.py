@@ -15,6 +15,7 @@ from harnessrl.http import HttpServer, Response
 from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, retry
 from harnessrl.runtime import Runtime
+from harnessrl.services.gateway import anthropic_api
 from harnessrl.services.gateway.admin import Admin
 from harnessrl.services.gateway.app import GatewayApp, openai_error
 from harnessrl.services.gateway.calls import Forwarder
@@ -130,6 +131,9 @@ class GatewayService:
                 host=section.host,
                 port=section.port,
                 max_body_bytes=section.max_body_bytes,
+                header_timeout_s=section.header_timeout_s,
+                body_timeout_s=section.body_timeout_s,
+                keepalive_timeout_s=section.keepalive_timeout_s,
                 on_error=_error_response,
             )
             await self.server.start()
@@ -270,6 +274,9 @@ class GatewayService:
             )
 
 
-def _error_response(status: int, message: str) -> Response:
-    """Errors the HTTP layer answers itself (malformed, too large, too slow), OpenAI-shaped."""
+def _error_response(status: int, message: str, path: str = "") -> Response:
+    """Errors the HTTP layer answers itself (malformed, too large, too slow), in the shape of
+    the route's API: Anthropic's for /v1/messages, else OpenAI's."""
+    if path.endswith("/v1/messages"):
+        return anthropic_api.error(status, message)
     return openai_error(status, message)

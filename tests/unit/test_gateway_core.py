@@ -49,6 +49,21 @@ def test_the_engine_is_asked_for_ids_and_logprobs_with_the_mode_sampling() -> No
     assert completion["logprobs"] == 0 and not asked.logprobs
 
 
+def test_train_calls_sample_the_policys_own_distribution() -> None:
+    from harnessrl.services.gateway.config import GatewaySection
+
+    body = {"model": "m", "messages": [], "top_k": 5, "logit_bias": {"7": 100}, "seed": 3}
+    body |= {"presence_penalty": 1.0, "min_p": 0.1, "repetition_penalty": 1.3, "stop": ["x"]}
+    section = GatewaySection()
+    train, _ = prepare(body, CHAT, "tiny", section.train)
+    assert train["temperature"] == 1.0 and train["top_p"] == 1.0
+    assert not {"top_k", "logit_bias", "presence_penalty", "min_p"} & set(train)
+    assert "repetition_penalty" not in train
+    assert train["seed"] == 3 and train["stop"] == ["x"]  # not the distribution: kept
+    val, _ = prepare(body, CHAT, "tiny", section.val)  # val: the harness's own settings
+    assert val["top_k"] == 5 and val["logit_bias"] == {"7": 100}
+
+
 def test_stream_chunks_fold_into_per_choice_completions() -> None:
     completions: dict[int, Completion] = {}
     take(

@@ -230,8 +230,10 @@ async def test_raising_handler_gets_500_logged_and_the_server_keeps_serving(
 
 
 async def test_on_error_renders_the_servers_own_errors() -> None:
-    def render(status: int, message: str) -> Response:
-        return Response(status, [("x-shape", "custom")], f"{status}:{message}".encode())
+    def render(status: int, message: str, path: str = "") -> Response:
+        return Response(
+            status, [("x-shape", "custom"), ("x-path", path or "-")], f"{status}:{message}".encode()
+        )
 
     async def handler(request: Request) -> Response:
         raise ValueError("no")
@@ -241,6 +243,7 @@ async def test_on_error_renders_the_servers_own_errors() -> None:
         writer.write(b"GET / HTTP/1.1\r\n\r\n")
         status, headers, body = await read_response(reader)
         assert (status, headers["x-shape"], body) == (500, "custom", b"500:internal error")
+        assert headers["x-path"] == "/"  # the renderer knows the route
         writer.write(b"nonsense\r\n\r\n")
         assert (await read_response(reader))[2].startswith(b"400:malformed request")
         writer.close()

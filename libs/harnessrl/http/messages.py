@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import orjson
 
@@ -57,15 +58,19 @@ class StreamingResponse:
 
 Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
 
-ErrorRenderer = Callable[[int, str], Response]
-"""`on_error(status, message) -> Response` renders the responses the server gives itself:
-400 (malformed), 408 (too slow), 413 (body too large), 431 (head too large) and 500 (the
-handler raised or returned something unusable). The returned response is sent as it is,
-plus `connection: close` where the server closes the connection. A handler that wants a
-route-specific error shape catches its own exceptions."""
+
+class ErrorRenderer(Protocol):
+    """`on_error(status, message, path) -> Response` renders the responses the server gives
+    itself: 400 (malformed), 408 (too slow), 413 (body too large), 431 (head too large) and
+    500 (the handler raised or returned something unusable). `path` is the request's, once
+    its request line was read ("" before), so an API can answer in its routes' own error
+    shapes. The returned response is sent as it is, plus `connection: close` where the
+    server closes the connection."""
+
+    def __call__(self, status: int, message: str, path: str = "") -> Response: ...
 
 
-def json_error(status: int, message: str) -> Response:
+def json_error(status: int, message: str, path: str = "") -> Response:
     """The default ErrorRenderer: `{"error": message}` as JSON."""
     body = orjson.dumps({"error": message})
     return Response(status, [("content-type", "application/json")], body)

@@ -175,7 +175,7 @@ class ServerConnection(asyncio.Protocol):
             log.info(
                 "request refused", status=request.status, reason=request.message, path=request.path
             )
-            self._send_error(request.status, request.message)
+            self._send_error(request.status, request.message, request.path)
             self._linger_close()
             return False
         try:
@@ -183,7 +183,7 @@ class ServerConnection(asyncio.Protocol):
             response = cast(object, await self._state.handler(request))
         except Exception:
             log.exception("handler failed", method=request.method, path=request.path)
-            response = self._error_response(500, "internal error")
+            response = self._error_response(500, "internal error", request.path)
         keep = keep and not self._state.stopping
         if self._lost:
             if isinstance(response, StreamingResponse):
@@ -195,7 +195,7 @@ class ServerConnection(asyncio.Protocol):
             log.error(
                 "handler returned no Response", path=request.path, got=type(response).__name__
             )
-            response = self._error_response(500, "internal error")
+            response = self._error_response(500, "internal error", request.path)
         return self._send(request, response, keep)
 
     def _send(self, request: Request, response: Response, keep: bool) -> bool:
@@ -210,7 +210,7 @@ class ServerConnection(asyncio.Protocol):
             )
         except (ValueError, TypeError, UnicodeEncodeError):
             log.exception("handler returned an invalid response", path=request.path)
-            self._send_error(500, "internal error")
+            self._send_error(500, "internal error", request.path)
             return False
         if request.method == "HEAD" or not wire.has_body(response.status):
             self._transport.write(head)
@@ -234,7 +234,7 @@ class ServerConnection(asyncio.Protocol):
                 )
             except (ValueError, TypeError, UnicodeEncodeError):
                 log.exception("handler returned an invalid response", path=request.path)
-                self._send_error(500, "internal error")
+                self._send_error(500, "internal error", request.path)
                 return False
             self._transport.write(head)
             if request.method == "HEAD":
@@ -252,18 +252,18 @@ class ServerConnection(asyncio.Protocol):
         else:
             self._continue_pending = True  # sent once the responses before it are
 
-    def _error_response(self, status: int, message: str) -> Response:
+    def _error_response(self, status: int, message: str, path: str = "") -> Response:
         try:
-            return self._state.on_error(status, message)
+            return self._state.on_error(status, message, path)
         except Exception:
             log.exception("on_error failed", status=status)
             return json_error(status, message)
 
-    def _send_error(self, status: int, message: str) -> None:
+    def _send_error(self, status: int, message: str, path: str = "") -> None:
         """Write an error response that closes the connection."""
         if self._lost:
             return
-        response = self._error_response(status, message)
+        response = self._error_response(status, message, path)
         try:
             head, _ = wire.response_head(
                 response.status,
@@ -349,7 +349,7 @@ class ServerConnection(asyncio.Protocol):
             self._transport.abort()
         elif self._task is None:
             if self._reader.in_message:
-                self._send_error(408, "request timeout")
+                self._send_error(408, "request timeout", self._reader.path)
                 self._linger_close()
             else:
                 self._close()  # idle keep-alive, or nothing ever sent
