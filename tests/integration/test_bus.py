@@ -276,3 +276,12 @@ async def test_a_consumer_waiting_for_an_unreachable_broker_stops_promptly(
         await asyncio.sleep(0.5)
         await consumer.stop()
         await asyncio.wait_for(task, 5)
+
+
+async def test_reading_a_topic_that_does_not_exist_yet_yields_nothing(broker: Any) -> None:
+    from harnessrl.bus.snapshot import read_to_end
+
+    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap, create_topics=False)
+    found = [r async for r in read_to_end(kafka, "hrl.not-yet", client_id="t")]
+    found += [r async for r in read_to_end(kafka, "hrl.not-yet", client_id="t", since_ms=0)]
+    assert found == []

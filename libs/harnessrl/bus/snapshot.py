@@ -57,6 +57,8 @@ async def raw_to_end(
         partitions = [
             TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())
         ]
+        if not partitions:
+            return  # no such topic (yet): nothing to read
         ends = await end_offsets(consumer, partitions)
         todo = {tp for tp in partitions if ends[tp] > 0}
         await consumer.seek_to_beginning(*partitions)
