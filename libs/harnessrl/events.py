@@ -68,6 +68,7 @@ class _Route:
     field: str  # name of the envelope's oneof field that holds this event type
     identity: Callable[[Any], str]
     tag: bytes  # wire-format tag of that field (length-delimited)
+    prefix: str  # what every identity of this event type starts with ("call/", ...)
 
 
 def _routes() -> dict[type[Message], _Route]:
@@ -113,7 +114,8 @@ def _routes() -> dict[type[Message], _Route]:
         envelope = TOPICS[topic].envelope
         assert envelope is not None
         number = envelope.DESCRIPTOR.fields_by_name[field].number
-        routes[cls] = _Route(topic, envelope, field, identity, varint(number << 3 | 2))
+        prefix = identity(cls()).partition("/")[0] + "/"
+        routes[cls] = _Route(topic, envelope, field, identity, varint(number << 3 | 2), prefix)
     return routes
 
 
@@ -160,7 +162,8 @@ def event_key(event: Message) -> str:
 def wrap(event: Message, *, producer: str, event_id_: str | None = None) -> Message:
     """The envelope of `event` for its topic, with EventMeta filled in.
 
-    `event_id_` overrides the derived identity (for events whose identity the caller owns).
+    `event_id_` overrides the derived identity (for events whose identity the caller owns);
+    it must keep the type's prefix (`call/`, `reward/`, ...), which decode() checks.
     """
     route = _route(event)
     envelope = route.envelope(meta=_meta(route, event, producer, event_id_))
@@ -205,7 +208,9 @@ def decode(topic: str, value: bytes | None) -> Message:
     """Parse a record value of `topic` into its envelope and check it is well-formed.
 
     Raises DecodeError naming the problem: unknown topic, empty value, bytes that are not the
-    topic's envelope, an envelope without event, or a missing event id.
+    topic's envelope, an envelope without event, a missing event id, or one of another event
+    type. (Envelopes share field numbers, so the bytes of another topic's envelope parse as
+    this topic's event, with its fields read as this event's: only the id tells.)
     """
     spec = TOPICS.get(topic)
     if spec is None or spec.envelope is None:
@@ -217,9 +222,15 @@ def decode(topic: str, value: bytes | None) -> Message:
         envelope.ParseFromString(value)
     except _ProtobufDecodeError as err:
         raise DecodeError(f"{topic}: not a {spec.envelope.__name__}: {err}") from err
-    meta, _, _ = unwrap(envelope)
+    meta, kind, event = unwrap(envelope)
     if not meta.event_id:
         raise DecodeError(f"{topic}: meta.event_id is empty")
+    prefix = _ROUTES[type(event)].prefix
+    if not meta.event_id.startswith(prefix):
+        raise DecodeError(
+            f"{topic}: meta.event_id {meta.event_id[:100]!r} is not the id of a {kind} "
+            f"(which starts with {prefix!r}): an event of another type?"
+        )
     return envelope
 
 

@@ -9,6 +9,10 @@ from pydantic import Field, SecretStr, field_validator
 
 from harnessrl.config import MiB, Section, ServiceConfig, ServiceSection, real_secret
 
+MAX_GROUP_SIZE = 1024
+"""Largest group a task may ask for (TaskSubmitted.group_size): a group's episodes are all
+set up at once."""
+
 DEFAULT_INHERITED_ENV = [
     "PATH",
     "HOME",
@@ -101,7 +105,7 @@ class ControllerSection(ServiceSection):
     """The gateway's admin token (to close episodes); required."""
     token_margin_s: float = Field(default=300.0, ge=0)
     """How long a token outlives its run's timeout."""
-    group_size: int = Field(default=4, ge=1, le=1024)
+    group_size: int = Field(default=4, ge=1, le=MAX_GROUP_SIZE)
     """Episodes per task when the task gives no group_size."""
     max_in_flight: int = Field(default=8, ge=1)
     """Most episodes running at once."""

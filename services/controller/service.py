@@ -33,7 +33,7 @@ from harnessrl.metrics import Labelled
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
 from harnessrl.services.controller.admission import Admission
-from harnessrl.services.controller.config import ControllerConfig, HarnessSpec
+from harnessrl.services.controller.config import MAX_GROUP_SIZE, ControllerConfig, HarnessSpec
 from harnessrl.services.controller.episodes import EpisodeRunner, EpisodeTask
 from harnessrl.services.controller.gateway_admin import GatewayAdmin
 from harnessrl.services.controller.lifecycle import Ledger
@@ -256,6 +256,8 @@ class ControllerService:
         harness = section.families.get(family) if family else section.harness
         if harness is None:
             raise PermanentError(f"TaskSubmitted.metadata.family: no harness for {family!r}")
+        if task.group_size > MAX_GROUP_SIZE:
+            raise PermanentError(f"TaskSubmitted.group_size: {task.group_size} > {MAX_GROUP_SIZE}")
         return harness, task.group_size or section.group_size
 
     async def _on_policy(self, record: Record, admission: Admission) -> None:

@@ -88,7 +88,7 @@ class ToolResultBlock(_Edge):
     content: list[TextBlock] = []
     is_error: bool = False
 
-    @field_validator("content", mode="before")
+    @field_validator("content", mode="before", json_schema_input_type=str | list[TextBlock])
     @classmethod
     def _content_blocks(cls, value: object) -> object:
         return _blocks(value)
@@ -110,7 +110,7 @@ class InputMessage(_Edge):
     role: Literal["user", "assistant", "system"]  # the SDK's SystemMessageParam: text only
     content: list[Block]
 
-    @field_validator("content", mode="before")
+    @field_validator("content", mode="before", json_schema_input_type=str | list[Block])
     @classmethod
     def _content_blocks(cls, value: object) -> object:
         return _blocks(value)
@@ -187,7 +187,7 @@ class MessagesRequest(_Edge):
     output_config: OutputConfig | None = None
     stream: bool = False
 
-    @field_validator("system", mode="before")
+    @field_validator("system", mode="before", json_schema_input_type=str | list[TextBlock] | None)
     @classmethod
     def _system_blocks(cls, value: object) -> object:
         return None if value is None else _blocks(value)

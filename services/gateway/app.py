@@ -2,7 +2,7 @@
 
     /e/{token}/v1/chat/completions | /completions | /models | /messages   token in the path
     /v1/chat/completions | /completions | /models | /messages             token as API key
-    /admin/...   /healthz   /metrics
+    /admin/...   /healthz   /metrics   /openapi.json (the routes above; services/gateway/openapi.py)
 
 The token in the path is the episode's; an API key that is a valid token of another episode
 is refused (403), anything else in it is ignored (SDKs always send some key). Errors are
@@ -24,10 +24,17 @@ from harnessrl.http import Request, Response, StreamingResponse
 from harnessrl.services.gateway import anthropic_api
 from harnessrl.services.gateway.admin import Admin, json_response
 from harnessrl.services.gateway.calls import Forwarder, StreamStart
-from harnessrl.services.gateway.capture import CHAT, COMPLETIONS, for_harness
+from harnessrl.services.gateway.capture import (
+    CHAT,
+    COMPLETIONS,
+    InvalidRequest,
+    check_request,
+    for_harness,
+)
 from harnessrl.services.gateway.control import Paused
 from harnessrl.services.gateway.engines import UpstreamError
 from harnessrl.services.gateway.episodes import EpisodeClosedError
+from harnessrl.services.gateway.openapi import document_bytes
 from harnessrl.v1 import events_pb2 as pb
 
 _OPENAI_TYPES = {
@@ -42,6 +49,14 @@ _OPENAI_TYPES = {
 }
 _SSE = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
 _CACHE_LIMIT = 100_000
+API_ROUTES = {
+    "/v1/chat/completions": "POST",
+    "/v1/completions": "POST",
+    "/v1/models": "GET",
+    "/v1/messages": "POST",
+}
+"""The harness-facing routes and their method (each also under /e/{token}); the OpenAPI
+document at /openapi.json describes exactly these."""
 
 
 def openai_error(
@@ -94,6 +109,8 @@ class GatewayApp:
             return Response(
                 200, [("content-type", CONTENT_TYPE_LATEST)], generate_latest(self._registry)
             )
+        if path == "/openapi.json":
+            return Response(200, [("content-type", "application/json")], document_bytes())
         return openai_error(404, f"{path}: not found")
 
     async def _api(
@@ -101,8 +118,8 @@ class GatewayApp:
     ) -> Response | StreamingResponse:
         anthropic = route == "/v1/messages"
         error = anthropic_api.error if anthropic else openai_error
-        known = route in ("/v1/chat/completions", "/v1/completions", "/v1/models") or anthropic
-        if not known:
+        method = API_ROUTES.get(route)
+        if method is None:
             return error(404, f"{route}: not found")
         try:
             claims = self._authorize(token)
@@ -112,12 +129,10 @@ class GatewayApp:
             self._f.metrics.refused(err.reason).inc()
             status = 403 if err.reason == "other_episode" else 401
             return error(status, str(err))
-        if route == "/v1/models":
-            if request.method != "GET":
-                return error(405, f"{request.method} {route}: method not allowed")
-            return Response(200, [("content-type", "application/json")], self._models())
-        if request.method != "POST":
+        if request.method != method:
             return error(405, f"{request.method} {route}: method not allowed")
+        if route == "/v1/models":
+            return Response(200, [("content-type", "application/json")], self._models())
         try:
             body = orjson.loads(request.body)
         except orjson.JSONDecodeError as err:
@@ -128,7 +143,10 @@ class GatewayApp:
             if anthropic:
                 return await anthropic_api.messages(self._f, claims, request, body)
             kind = CHAT if route == "/v1/chat/completions" else COMPLETIONS
+            check_request(body, kind)
             return await self._openai(claims, request, kind, route, body)
+        except InvalidRequest as err:
+            return error(400, str(err), err.param)
         except EpisodeClosedError as err:
             self._f.metrics.refused("closed").inc()
             return error(409, str(err))

@@ -38,6 +38,30 @@ class Asked:
     stream: bool
 
 
+class InvalidRequest(ValueError):
+    """A harness request the gateway refuses (400) before the engine sees it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def check_request(body: dict[str, Any], kind: str) -> None:
+    """Refuse what the gateway itself reads, when it is not of its type: the engine's own
+    parser is lenient (`"stream": "yes"` streams), and the gateway must read these fields as
+    the engine does. Everything else is the engine's to validate. Raises InvalidRequest."""
+    if not isinstance(body.get("model"), str):
+        raise InvalidRequest("model", "required, a string")
+    for name in ("stream", "return_token_ids"):
+        if not isinstance(body.get(name, False), bool):
+            raise InvalidRequest(name, "must be a boolean")
+    logprobs = body.get("logprobs")
+    if kind == CHAT and not isinstance(logprobs, bool | None):
+        raise InvalidRequest("logprobs", "must be a boolean")
+    if kind == COMPLETIONS and (not isinstance(logprobs, int | None) or isinstance(logprobs, bool)):
+        raise InvalidRequest("logprobs", "must be an integer")
+
+
 def prepare(
     body: dict[str, Any], kind: str, engine_model: str, overrides: SamplingOverrides
 ) -> tuple[dict[str, Any], Asked]:

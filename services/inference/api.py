@@ -20,21 +20,35 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException
 
 from harnessrl.health import health_body
 from harnessrl.services.inference.codec import TextCodec
 from harnessrl.services.inference.engine import Engine, Token
 from harnessrl.services.inference.engine import Request as EngineRequest
+from harnessrl.services.inference.errors import (
+    api_error_response,
+    http_error_response,
+    openapi_document,
+)
 from harnessrl.services.inference.generation import ChoiceOutput
 from harnessrl.services.inference.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
 )
 
 VERSION_HEADER = "x-policy-version"
+# What the OpenAPI document says the generating routes answer: JSON, or an SSE stream when
+# the request asks for one; every error in OpenAI's shape.
+_GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}},
+    400: {"model": ErrorResponse, "description": "Invalid request (the field is named)"},
+    404: {"model": ErrorResponse, "description": "No such model"},
+}
 
 
 class _Json(JSONResponse):
@@ -63,6 +77,10 @@ def create_app(
     async def invalid(_: Request, err: RequestValidationError) -> Response:
         return api_error_response(err)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> Response:
+        return http_error_response(request, err)
+
     @app.get("/v1/models")
     async def models() -> Response:
         data = [
@@ -77,34 +95,25 @@ def create_app(
         ]
         return _Json({"object": "list", "data": data})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
     async def chat(body: ChatCompletionRequest) -> Response:
         return await api.chat(body)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
     async def completions(body: CompletionRequest) -> Response:
         return await api.completions(body)
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses={503: {"description": "A component is not healthy"}})
     async def healthz() -> Response:
         status, body = health_body(health())
         return Response(body, status_code=status, media_type="application/json")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]  # FastAPI's hook
     return app
-
-
-def api_error_response(err: RequestValidationError) -> Response:
-    """A 400 in OpenAI's shape naming the first invalid field."""
-    first = err.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-    text = f"{param}: {message}" if param and not message.startswith(f"{param}:") else message
-    return _Json(ApiError(400, text, param).body(), status_code=400)
 
 
 class _Api:
@@ -361,6 +370,8 @@ class _Api:
             raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     def _token_limit(self, prompt_len: int, asked: int | None, param: str) -> int:
+        if prompt_len == 0:  # nothing to condition on: the engine's prefill needs a token
+            raise ApiError(400, f"{param}: must not be empty (it encodes to no tokens)", param)
         context = self.engine.max_model_len
         if prompt_len >= context or (asked is not None and prompt_len + asked > context):
             raise ApiError(

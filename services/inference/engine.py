@@ -134,8 +134,11 @@ class Engine:
     ) -> Request:
         """Queue a request; read its tokens from `request.tokens` until None.
 
-        The caller has checked that prompt + max_tokens fits max_model_len.
+        The caller has checked that prompt + max_tokens fits max_model_len. Raises
+        ValueError for an empty prompt (a prefill needs at least one token).
         """
+        if not prompt_ids:
+            raise ValueError("prompt_ids: must not be empty")
         request = Request(f"req-{next(self._ids)}", list(prompt_ids), params, top_logprobs)
         self._waiting.append(request)
         self._metrics.waiting.set(len(self._waiting))

@@ -29,10 +29,24 @@ class ApiError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        kind = {400: "invalid_request_error", 404: "not_found_error"}.get(self.status, "api_error")
+        default = "invalid_request_error" if 400 <= self.status < 500 else "api_error"
+        kind = {404: "not_found_error"}.get(self.status, default)
         return {
             "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
         }
+
+
+class ErrorObject(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, which every error of this API carries (for the OpenAPI schema)."""
+
+    error: ErrorObject
 
 
 class _Lenient(BaseModel):
@@ -102,9 +116,12 @@ class _Sampling(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    # Refused unless neutral (below); the schema says so, for clients and fuzzers.
+    presence_penalty: float = Field(default=0.0, json_schema_extra={"enum": [0]})
+    frequency_penalty: float = Field(default=0.0, json_schema_extra={"enum": [0]})
+    logit_bias: dict[str, float] | None = Field(
+        default=None, json_schema_extra={"maxProperties": 0}
+    )
 
     @model_validator(mode="after")
     def _unsupported(self) -> _Sampling:
@@ -166,8 +183,8 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool = False
-    suffix: str | None = None
+    echo: bool = Field(default=False, json_schema_extra={"enum": [False]})
+    suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0})
 
     @model_validator(mode="after")
     def _completion_checks(self) -> CompletionRequest:

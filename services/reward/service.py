@@ -20,6 +20,7 @@ from harnessrl.bus import BusMetrics, Consumer, Context, Hold, Producer, Record,
 from harnessrl.bus.snapshot import read_to_end
 from harnessrl.logs import get_logger
 from harnessrl.metrics import Labelled
+from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
 from harnessrl.services.reward.config import RewardConfig
 from harnessrl.services.reward.episode import Episode
@@ -145,6 +146,8 @@ class RewardService:
         if record.kind != "episode_finished":
             return
         event: pb.EpisodeFinished = record.event  # type: ignore[assignment]
+        if not event.group_id:  # its reward could not be published (the group is its key)
+            raise PermanentError("EpisodeFinished.group_id: required")
         if not event.final and not self._config.reward.score_non_final:
             return
         key = (event.episode_id, event.attempt)

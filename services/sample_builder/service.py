@@ -11,6 +11,7 @@ a finished group are ignored rather than built twice.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -32,6 +33,7 @@ from harnessrl.bus import (
 )
 from harnessrl.bus.snapshot import read_keys
 from harnessrl.logs import get_logger
+from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
 from harnessrl.services.sample_builder.building import Built, Decode, build
 from harnessrl.services.sample_builder.config import SampleBuilderConfig
@@ -115,6 +117,7 @@ class SampleBuilderService:
     async def _on_record(self, record: Record, ctx: Context) -> None:
         if record.kind not in KINDS:
             return
+        _check(record.kind, record.event)
         group_id: str = record.event.group_id  # type: ignore[attr-defined]
         if group_id in self._done:
             return  # late or re-delivered: the group is built already
@@ -193,6 +196,16 @@ class SampleBuilderService:
             self._groups.pop(group_id, None)
             self._holds.pop(group_id, None)
             self._partition.pop(group_id, None)
+
+
+def _check(kind: str, event: Any) -> None:
+    """Refuse (to hrl.dlq) what a group cannot be built from: an event without group, a
+    reward that is not a finite number (advantages are computed from it)."""
+    name = type(event).__name__
+    if not event.group_id:
+        raise PermanentError(f"{name}.group_id: required")
+    if kind == "reward_assigned" and not event.missing and not math.isfinite(event.value):
+        raise PermanentError(f"{name}.value: {event.value} is not a finite number")
 
 
 def _links(group: Group) -> Sequence[Link]:

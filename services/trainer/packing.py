@@ -22,6 +22,7 @@ order, give the same micro-batches.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -70,8 +71,12 @@ class SampleArrays:
             )
         if loss_mask[0]:
             raise ValueError(f"{where}: loss_mask[0] is true; the first token has no log-prob")
-        if not sample.temperature > 0:
+        if not 0 < sample.temperature < math.inf:
             raise ValueError(f"{where}: temperature must be > 0, got {sample.temperature}")
+        if not math.isfinite(sample.advantage):
+            raise ValueError(f"{where}: advantage must be finite, got {sample.advantage}")
+        if not np.all(np.isfinite(behavior[loss_mask])):
+            raise ValueError(f"{where}: behavior_logprobs must be finite on the loss mask")
         return cls(
             sample_id=sample.sample_id,
             episode_id=sample.episode_id,

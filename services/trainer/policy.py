@@ -94,6 +94,12 @@ class Policy:
             kl_coef=loss.kl_coef,
         )
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding: every token id trained on must be below it."""
+        embedding: Any = self.model.get_input_embeddings()  # type: ignore[operator]
+        return int(embedding.num_embeddings)
+
     @classmethod
     def load(cls, settings: TrainerSection, world: World | None = None) -> Policy:
         """The initial policy from `settings.model` (resume from a checkpoint separately)."""

@@ -32,6 +32,7 @@ from harnessrl.bus import (
 )
 from harnessrl.bus.snapshot import read_to_end
 from harnessrl.logs import get_logger
+from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
 from harnessrl.services.trainer.batching import Batch, Batcher
 from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
@@ -81,6 +82,7 @@ class TrainerService:
         self._stopping = asyncio.Event()
         self._producer: Producer | None = None
         self._journal: StepJournal | None = None
+        self._training: asyncio.Task[None] | None = None
         self._tracer = runtime.tracer_provider.get_tracer("harnessrl.trainer")
         self.metrics = TrainerMetrics(runtime.registry)
         self.ready = asyncio.Event()
@@ -126,6 +128,8 @@ class TrainerService:
             self._stop_consuming = stopper(consumer, consuming)
             stack.push_async_callback(self._stop_consuming)
             training = asyncio.create_task(self._train(server, engines), name="train")
+            self._training = training
+            training.add_done_callback(_report_failure)
             stack.push_async_callback(self._finish, training)
             log.info(
                 "trainer running",
@@ -142,7 +146,17 @@ class TrainerService:
         self._stopping.set()
 
     def health(self) -> dict[str, bool]:
-        return {"producer": self._producer is not None and self._producer.healthy}
+        training = self._training
+        failed = (
+            training is not None
+            and training.done()
+            and not training.cancelled()
+            and training.exception() is not None
+        )
+        return {
+            "producer": self._producer is not None and self._producer.healthy,
+            "training": not failed,  # a dead training task: 503, so an orchestrator restarts
+        }
 
     def _load(self) -> Policy:
         from transformers import AutoTokenizer
@@ -184,6 +198,8 @@ class TrainerService:
         if record.kind != "group_samples":
             return
         group: pb.GroupSamples = record.event  # type: ignore[assignment]
+        assert self._policy is not None  # loaded before consuming
+        _check_token_ids(group, self._policy.vocab_size)
         await self._room.wait()  # backpressure: at most two batches pending
         pending = self._batcher.pending_ids()
         added = self._batcher.add(group, version=self.version, trained=self._trained)
@@ -338,6 +354,22 @@ class TrainerService:
             await self._checkpoint()
         if self._world.size > 1:
             await asyncio.to_thread(self._world.share, None)  # followers: stop
+
+
+def _check_token_ids(group: pb.GroupSamples, vocab_size: int) -> None:
+    """Refuse (to hrl.dlq) a group with token ids the model has no embedding for: a step on
+    it would fail, and with it the training loop."""
+    for sample in group.samples:
+        if sample.token_ids and max(sample.token_ids) >= vocab_size:
+            raise PermanentError(
+                f"sample {sample.sample_id!r}: token_ids must be below the vocabulary size "
+                f"({vocab_size}), got {max(sample.token_ids)}"
+            )
+
+
+def _report_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("training stopped by an error; /healthz now fails", error=repr(task.exception()))
 
 
 def _link(group: pb.GroupSamples) -> Link:

@@ -57,14 +57,19 @@ class Stack:
 
     async def calls(self, at_least: int = 0, timeout: float = 30.0) -> list[pb.ModelCall]:
         """Every ModelCall on hrl.calls (waiting until there are `at_least`)."""
+        # read_to_end, not the broker's ListOffsets: Tansu's can lag a record behind.
+        from harnessrl.bus.snapshot import read_to_end
+
+        kafka = KafkaSettings(bootstrap_servers=self.broker.bootstrap)
         deadline = time.monotonic() + timeout
         while True:
-            size = await topic_size(self.broker.bootstrap, events.CALLS)
-            records = await read_topic(self.broker.bootstrap, events.CALLS, size) if size else []
-            found = [events.decode(events.CALLS, r.value) for r in records]
-            calls = [e.model_call for e in found if e.WhichOneof("event") == "model_call"]
+            calls = [
+                event
+                async for kind, event, _ in read_to_end(kafka, events.CALLS, client_id="test")
+                if kind == "model_call"
+            ]
             if len(calls) >= at_least or time.monotonic() > deadline:
-                return calls
+                return calls  # type: ignore[return-value]
             await asyncio.sleep(0.1)
 
     async def closed(self) -> list[pb.EpisodeClosed]:
@@ -80,11 +85,17 @@ async def running_stack(
     tmp_path: Path,
     model: Path,
     tracer_provider: TracerProvider | None = None,
+    engine_settings: dict[str, Any] | None = None,
     **gateway: Any,
 ) -> AsyncIterator[Stack]:
+    """The stack; `engine_settings` are extra InferenceSection fields, `gateway` extra
+    GatewaySection fields."""
     kafka = KafkaSettings(bootstrap_servers=broker.bootstrap, partitions=3)
+    inference = InferenceSection(
+        model=model, port=0, follow_policy=False, **(engine_settings or {})
+    )
     engine = InferenceService(
-        InferenceConfig(inference=InferenceSection(model=model, port=0, follow_policy=False)),
+        InferenceConfig(inference=inference),
         Runtime("inference", "e-0", CollectorRegistry(), tracer_provider or TracerProvider()),
     )
     engine_task = asyncio.create_task(engine.run())

@@ -290,7 +290,7 @@ async def test_responses_carry_the_policy_version(engine_url: str) -> None:
         (
             {"model": "tiny-model", "messages": QUESTION, "frequency_penalty": 1.0},
             400,
-            None,
+            "frequency_penalty",
             "frequency_penalty: penalties are not supported",
         ),
         ({"model": "tiny-model", "prompt": [99_999]}, 400, "prompt", "token ids must be in"),

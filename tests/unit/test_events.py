@@ -25,9 +25,10 @@ def test_every_event_type_has_one_topic_and_an_envelope_field() -> None:
 def test_encode_is_byte_identical_to_serialising_the_envelope() -> None:
     for cls in events.EVENT_TYPES:
         event = filled(cls, seed=3)
-        data = events.encode(event, producer="p/1", event_id_="id-1")
+        own_id = events.event_id(event) + "-1"
+        data = events.encode(event, producer="p/1", event_id_=own_id)
         envelope = events.decode(events.topic_of(event), data)
-        expected = events.wrap(event, producer="p/1", event_id_="id-1")
+        expected = events.wrap(event, producer="p/1", event_id_=own_id)
         expected.meta.created_at.CopyFrom(envelope.meta.created_at)
         assert expected.SerializeToString(deterministic=True) == data
 
@@ -67,6 +68,11 @@ def test_non_event_messages_are_refused() -> None:
             "hrl.calls",
             pb.CallEnvelope(model_call=pb.ModelCall(seq=1)).SerializeToString(),
             "event_id is empty",
+        ),
+        (  # a ModelCall's envelope parses as a RewardEnvelope: field numbers are shared
+            "hrl.rewards",
+            events.encode(pb.ModelCall(episode_id="e", attempt=1, group_id="g"), producer="p"),
+            "'call/e/1/0' is not the id of a reward_assigned",
         ),
     ],
 )

@@ -80,12 +80,22 @@ class RequestReader:
             if isinstance(err.__context__, Rejected):
                 raise err.__context__ from None
             log.error("request parsing failed", error=repr(err.__context__))
-            raise Rejected(500, "internal error", self.path) from err
+            raise Rejected(500, "internal error", self._known_path()) from err
         except httptools.HttpParserError as err:
-            raise Rejected(400, f"malformed request: {err}", self.path) from err
+            raise Rejected(400, f"malformed request: {err}", self._known_path()) from err
         if self.in_message and not self.headers_done and self._head_fed > self._max_head:
-            raise Rejected(431, "request headers too large")
+            raise Rejected(431, "request headers too large", self._known_path())
         return True
+
+    def _known_path(self) -> str:
+        """The path of the request being read, as far as known: an error found in its
+        headers is still answered in its route's shape."""
+        if self.path or not self._url:
+            return self.path
+        try:
+            return _split_target(self._url)[0]
+        except Rejected:
+            return ""
 
     # httptools callbacks
 
@@ -109,7 +119,7 @@ class RequestReader:
         self.headers_done = True
         self._head_fed = 0
         if self._head_size > self._max_head:
-            raise Rejected(431, "request headers too large")
+            raise Rejected(431, "request headers too large", self._known_path())
         raw = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in self._raw]
         headers = {n.lower(): v for n, v in raw}
         path, query = _split_target(self._url)

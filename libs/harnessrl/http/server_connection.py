@@ -368,7 +368,11 @@ class ServerConnection(asyncio.Protocol):
             self._close()
             return
         self._closed = self._discarding = True
-        self._transport.write_eof()
+        try:
+            self._transport.write_eof()
+        except OSError:  # the client reset the connection already: nothing left to drain
+            self._transport.abort()
+            return
         if self._read_paused:
             self._read_paused = False
             self._transport.resume_reading()

@@ -1,0 +1,223 @@
+"""The OpenAPI document of the gateway's harness-facing routes, served at `/openapi.json`.
+
+It describes what the gateway itself checks, no more, so that clients and fuzzers can rely
+on it (tests/integration/test_fuzz_gateway.py sends it schema-violating requests and expects
+each refused):
+
+- `/v1/messages`: the schema of the model that validates the request
+  (`anthropic_models.MessagesRequest`), generated, so it cannot drift from it.
+- `/v1/chat/completions`, `/v1/completions`: the fields the gateway reads itself (`model`,
+  `stream`, `return_token_ids`, `logprobs`: `capture.check_request`) and the request's shape
+  that any engine behind it enforces. Every other field goes to the engine as it was sent
+  (sampling fields forced or dropped in train mode: `gateway.train`), and the engine's 400
+  comes back as it is.
+
+Each route is also served under `/e/{token}` (the second server), the episode token then
+being in the path rather than the API key. Errors are OpenAI's error object on the OpenAI
+routes and Anthropic's on `/v1/messages`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import orjson
+
+from harnessrl.services.gateway.anthropic_models import MessagesRequest
+
+_REF = "#/components/schemas/{model}"
+_OPENAI_ERRORS = {
+    "4XX": {"$ref": "#/components/responses/OpenAIError"},
+    "5XX": {"$ref": "#/components/responses/OpenAIError"},
+}
+_STREAM: dict[str, Any] = {"text/event-stream": {}}
+
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "object"}},
+                {"type": "null"},
+            ]
+        },
+    },
+}
+_COMMON = {
+    "model": {"type": "string", "description": "Any name: the answer carries it back."},
+    "stream": {"type": "boolean"},
+    "stream_options": {
+        "anyOf": [
+            {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+            {"type": "null"},
+        ]
+    },
+    "return_token_ids": {
+        "type": "boolean",
+        "description": "Also return prompt and completion token ids (vLLM's field).",
+    },
+    "max_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]},
+    "n": {"type": "integer", "minimum": 1},
+    "stop": {
+        "anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "string"}},
+            {"type": "null"},
+        ]
+    },
+}
+_CHAT = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        **_COMMON,
+        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+        "logprobs": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+    },
+}
+_COMPLETION = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "properties": {
+        **_COMMON,
+        "prompt": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}},
+                {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+            ]
+        },
+        "logprobs": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}]},
+    },
+}
+_OPENAI_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+_ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _generate(name: str, summary: str) -> dict[str, Any]:
+    """A POST that answers JSON, or an SSE stream when the body asks for one."""
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json({"$ref": _REF.format(model=name)})},
+            "responses": {
+                "200": {"description": "The answer", "content": {**_json({}), **_STREAM}},
+                **_OPENAI_ERRORS,
+            },
+        }
+    }
+
+
+def document() -> dict[str, Any]:
+    """The document (a fresh dict)."""
+    messages = MessagesRequest.model_json_schema(ref_template=_REF)
+    defs = messages.pop("$defs", {})
+    anthropic_errors = {
+        "4XX": {"$ref": "#/components/responses/AnthropicError"},
+        "5XX": {"$ref": "#/components/responses/AnthropicError"},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "harnessrl gateway",
+            "version": "1",
+            "description": "OpenAI and Anthropic routes of one episode; see the module "
+            "services/gateway/openapi.py for what is checked where.",
+        },
+        "servers": [
+            {"url": "/"},
+            {"url": "/e/{token}", "variables": {"token": {"default": "episode-token"}}},
+        ],
+        "security": [{"bearer": []}, {"apiKey": []}, {}],
+        "paths": {
+            "/v1/chat/completions": _generate("ChatCompletionRequest", "OpenAI chat completion"),
+            "/v1/completions": _generate("CompletionRequest", "OpenAI completion"),
+            "/v1/models": {
+                "get": {
+                    "summary": "The model served, as the engine lists it",
+                    "responses": {
+                        "200": {"description": "Model list", "content": _json({})},
+                        **_OPENAI_ERRORS,
+                    },
+                }
+            },
+            "/v1/messages": {
+                "post": {
+                    "summary": "Anthropic message",
+                    "requestBody": {
+                        "required": True,
+                        "content": _json({"$ref": _REF.format(model="MessagesRequest")}),
+                    },
+                    "responses": {
+                        "200": {"description": "The message", "content": {**_json({}), **_STREAM}},
+                        **anthropic_errors,
+                    },
+                }
+            },
+        },
+        "components": {
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "Episode token"},
+                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            },
+            "schemas": {
+                "ChatCompletionRequest": _CHAT,
+                "CompletionRequest": _COMPLETION,
+                "MessagesRequest": messages,
+                **defs,
+                "OpenAIErrorBody": _OPENAI_ERROR,
+                "AnthropicErrorBody": _ANTHROPIC_ERROR,
+            },
+            "responses": {
+                "OpenAIError": {
+                    "description": "OpenAI's error object",
+                    "content": _json({"$ref": _REF.format(model="OpenAIErrorBody")}),
+                },
+                "AnthropicError": {
+                    "description": "Anthropic's error",
+                    "content": _json({"$ref": _REF.format(model="AnthropicErrorBody")}),
+                },
+            },
+        },
+    }
+
+
+@functools.cache
+def document_bytes() -> bytes:
+    """The document as served (built once, on first use)."""
+    return orjson.dumps(document())
