@@ -11,7 +11,7 @@ import signal
 import time
 from collections.abc import Callable
 
-from harnessrl.up.plan import ChildSpec, StackPlan, UpError
+from harnessrl.up.plan import ChildSpec, StackPlan
 from harnessrl.up.supervisor import Child
 
 
@@ -79,6 +79,3 @@ class ChaosStack:
         for name in order if names is None else [n for n in order if n in names]:
             self._expected_exit.add(name)
             await self.children[name].stop(grace_s)
-
-
-__all__ = ["ChaosStack", "UpError"]
