@@ -50,7 +50,11 @@ class ErrorResponse(BaseModel):
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Lenient about fields it does not know (ignored, as vLLM does), strict about the types
+    of those it does: a JSON boolean is not a token id or a count, a string not a number or a
+    flag, so what the schema refuses is refused (pydantic's lax mode would coerce them)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class TextPart(_Lenient):
@@ -186,6 +190,18 @@ class CompletionRequest(_Sampling):
     echo: bool = Field(default=False, json_schema_extra={"enum": [False]})
     suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0})
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        # One message for the four shapes, rather than the first union member's complaint.
+        if isinstance(value, str) or _token_ids(value):
+            return value
+        if isinstance(value, list) and (
+            all(isinstance(p, str) for p in value) or all(_token_ids(p) for p in value)
+        ):
+            return value
+        raise ValueError("must be a string, a list of token ids (integers), or a list of either")
+
     @model_validator(mode="after")
     def _completion_checks(self) -> CompletionRequest:
         if self.echo:
@@ -206,3 +222,10 @@ class CompletionRequest(_Sampling):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         return list(p)  # type: ignore[arg-type]  # list[str] | list[list[int]]
+
+
+def _token_ids(value: Any) -> bool:
+    """A list of integers (JSON booleans are not token ids)."""
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )

@@ -294,6 +294,21 @@ async def test_responses_carry_the_policy_version(engine_url: str) -> None:
             "frequency_penalty: penalties are not supported",
         ),
         ({"model": "tiny-model", "prompt": [99_999]}, 400, "prompt", "token ids must be in"),
+        # JSON booleans and strings are not coerced to the numbers and flags the schema says.
+        ({"model": "tiny-model", "prompt": [True, 5]}, 400, "prompt", "list of token ids"),
+        ({"model": "tiny-model", "messages": QUESTION, "n": True}, 400, "n", "valid integer"),
+        (
+            {"model": "tiny-model", "messages": QUESTION, "stream": "true"},
+            400,
+            "stream",
+            "valid boolean",
+        ),
+        (
+            {"model": "tiny-model", "messages": QUESTION, "temperature": "1"},
+            400,
+            "temperature",
+            "valid number",
+        ),
     ],
 )
 async def test_bad_requests_get_openai_shaped_errors_naming_the_problem(
