@@ -4,7 +4,9 @@ Plain Python on the `openai` SDK. It reads its task from HARNESSRL_TASK, talks t
 OPENAI_BASE_URL points at (the real API in production, the harnessrl gateway in training),
 runs a tool loop with a calculator, and stops on its own rule: the model answers without
 calling a tool, repeats a call it already made, or has used MAX_CALLS model calls. It writes
-its answer to HARNESSRL_OUTPUT (or prints it when run by hand):
+its answer to HARNESSRL_OUTPUT (or prints it when run by hand), and beside it, after each
+answer it gets, `progress.json` with the calls answered so far (what an operator, or
+`harnessrl chaos`, reads of a run that was killed before it wrote a result):
 
     OPENAI_BASE_URL=http://localhost:8000/v1 OPENAI_API_KEY=x \\
         python examples/calculator/harness.py "What is 17 times 23?"
@@ -17,6 +19,8 @@ import json
 import operator
 import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -72,7 +76,10 @@ def run_tool(arguments: str) -> str:
         return f"error: {err}"
 
 
-def solve(client: openai.OpenAI, question: str) -> dict[str, Any]:
+def solve(
+    client: openai.OpenAI, question: str, answered: Callable[[int], None] | None = None
+) -> dict[str, Any]:
+    """Run the tool loop; `answered(n)` is called when the n-th model call has returned."""
     messages: list[Any] = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": question},
@@ -83,6 +90,8 @@ def solve(client: openai.OpenAI, question: str) -> dict[str, Any]:
         response = client.chat.completions.create(
             model=MODEL, messages=messages, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=0
         )
+        if answered is not None:
+            answered(calls)
         message = response.choices[0].message
         if not message.tool_calls:
             return {"answer": (message.content or "").strip(), "calls": calls, "tools": tool_calls}
@@ -102,14 +111,28 @@ def solve(client: openai.OpenAI, question: str) -> dict[str, Any]:
     return {"answer": "", "calls": calls, "tools": tool_calls}
 
 
+PROGRESS = "progress.json"
+
+
+def _progress(path: Path) -> Callable[[int], None]:
+    def write(calls: int) -> None:
+        partial = path.with_suffix(".tmp")
+        partial.write_text(json.dumps({"calls": calls}))
+        partial.replace(path)  # whole or not at all, however the run ends
+
+    return write
+
+
 def main() -> None:
     if len(sys.argv) > 1:
         question = " ".join(sys.argv[1:])
     else:
         question = json.loads(os.environ["HARNESSRL_TASK"])["question"]
     client = openai.OpenAI(max_retries=8)  # OPENAI_BASE_URL, OPENAI_API_KEY from the environment
-    result = solve(client, question)
     output = os.environ.get("HARNESSRL_OUTPUT")
+    result = solve(
+        client, question, _progress(Path(output).with_name(PROGRESS)) if output else None
+    )
     if output:
         with open(output, "w") as f:
             json.dump(result, f)

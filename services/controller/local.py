@@ -49,6 +49,11 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
+def run_dir(workdir: Path, episode_id: str, attempt: int) -> Path:
+    """The working directory of one attempt's run under the controller's `workdir`."""
+    return workdir / f"{_safe(episode_id)}-{attempt}"
+
+
 class LocalRun:
     """One harness process group."""
 
@@ -311,7 +316,7 @@ class LocalRunner:
             spec,
             spec.episode_id,
             spec.attempt,
-            self.workdir / f"{_safe(spec.episode_id)}-{spec.attempt}",
+            run_dir(self.workdir, spec.episode_id, spec.attempt),
         )
         await run.start()
         self._runs.add(run)

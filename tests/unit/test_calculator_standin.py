@@ -49,6 +49,22 @@ def test_standin_episodes_take_two_to_four_calls_and_answer_right() -> None:
     assert set(lengths) == {2, 3, 4}
 
 
+def test_the_harness_records_each_answer_beside_its_output(tmp_path: Path) -> None:
+    """`progress.json` is rewritten after each answer: what a killed run leaves behind."""
+    problem = tasks.problems("train", 1, seed=4)[0]
+    seen: list[int] = []
+    progress = tmp_path / harness.PROGRESS
+    write = harness._progress(progress)
+
+    def answered(calls: int) -> None:
+        write(calls)
+        seen.append(json.loads(progress.read_text())["calls"])
+
+    result = harness.solve(sdk_client([]), problem.question, answered)
+    assert seen == list(range(1, result["calls"] + 1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [harness.PROGRESS]  # no .tmp left
+
+
 def test_standin_reads_every_phrasing_of_the_tasks() -> None:
     for problem in tasks.problems("val", 200, seed=0):
         assert expression(problem.question) == (str(problem.a), problem.op, str(problem.b))

@@ -38,7 +38,10 @@ def test_books_balance_and_each_fault_is_counted(tmp_path: Path) -> None:
     for event in (call("b", 1, 0, [1]), call("b", 1, 0, [9]), call("b", 1, 1, [3])):
         books.apply("model_call", event)
     books.apply("episode_finished", finished("b", 1, 3))
-    # c: its first attempt died without a result, the retry never finished.
+    # c: its first attempt was killed without a result after one answer (its progress file),
+    # which was captured; the retry never finished.
+    books.apply("model_call", call("c", 1, 0, [4]))
+    books.progress[("c", 1)] = 1
     books.apply("episode_finished", finished("c", 1, None))
     books.apply("episode_started", pb.EpisodeStarted(episode_id="c", attempt=2, group_id="g"))
     sample = pb.Sample(sample_id="a/1/0", loss_mask=[False, True, True])
@@ -47,15 +50,31 @@ def test_books_balance_and_each_fault_is_counted(tmp_path: Path) -> None:
     journal.record(1, 1, ["a/1/0"])
     journal.record(2, 2, ["a/1/0"])
     figures = reconcile(books, read(tmp_path / "steps.jsonl"))
-    assert figures["calls_answered"] == 5
-    assert figures["calls_captured"] == 4  # distinct (episode, attempt, seq)
+    assert figures["calls_answered"] == 6
+    assert figures["calls_captured"] == 5  # distinct (episode, attempt, seq)
     assert figures["calls_lost"] == 1  # b: 3 answered, 2 captured
     assert figures["calls_conflicting"] == 1
-    assert figures["attempts_without_result"] == 1
+    assert figures["attempts_without_result"] == 2  # c/1 killed, c/2 never finished
     assert figures["episodes"] == 3 and figures["episodes_retried"] == 1
     assert figures["episodes_unaccounted"] == 1  # c's last attempt has no EpisodeFinished
     assert figures["samples_trained"] == 2 and figures["samples_trained_twice"] == 1
-    assert figures["tokens_trained"] == 4 and figures["tokens_captured"] == 4
+    assert figures["tokens_trained"] == 4 and figures["tokens_captured"] == 5
+
+
+def test_calls_a_killed_harness_recorded_as_answered_count_and_can_be_lost() -> None:
+    books = Books()
+    books.apply("task_submitted", pb.TaskSubmitted(group_id="g", group_size=1))
+    books.apply("episode_started", pb.EpisodeStarted(episode_id="a", attempt=1, group_id="g"))
+    books.apply("model_call", call("a", 1, 0, [1]))
+    books.progress[("a", 1)] = 2  # the second answer never reached hrl.calls
+    books.apply("episode_finished", finished("a", 1, None))
+    books.apply("episode_started", pb.EpisodeStarted(episode_id="a", attempt=2, group_id="g"))
+    books.apply("model_call", call("a", 2, 0, [1]))
+    books.apply("episode_finished", finished("a", 2, 1))
+    figures = reconcile(books, [])
+    assert figures["calls_answered"] == 3 and figures["calls_captured"] == 2
+    assert figures["calls_lost"] == 1
+    assert figures["attempts_without_result"] == 1 and figures["episodes_unaccounted"] == 0
 
 
 def test_an_episode_that_never_started_is_unaccounted() -> None:

@@ -2,11 +2,13 @@
 records, never from the fault injector's expectations.
 
 - calls answered: what each harness says it got back. The calculator harness's result
-  carries `calls`, the model calls it made that returned; a retried attempt that never
-  wrote a result is counted apart (`attempts_without_result`).
+  carries `calls`, the model calls it made that returned; an attempt killed before it wrote
+  a result (`attempts_without_result`: its controller was killed) is counted from the
+  `progress.json` the harness rewrites after each answer (a lower bound: a kill between an
+  answer and that write leaves the count one short).
 - calls captured: distinct `ModelCall`s on hrl.calls, by (episode, attempt, seq). The same
   id with different tokens (a call number handed out twice) is `calls_conflicting`.
-- calls lost: per attempt with a result, answered calls beyond those captured.
+- calls lost: per attempt, answered calls beyond those captured.
 - samples trained twice: from the trainer's step journal, samples in two steps of the
   lineage of its current weights (steps thrown away with a crash do not count).
 - episodes unaccounted: of the episodes the submitted groups call for, those whose last
@@ -47,6 +49,8 @@ class Books:
     sample_tokens: dict[str, int] = field(default_factory=dict)
     """Sample id -> completion tokens (loss mask 1)."""
     groups_emitted: set[str] = field(default_factory=set)
+    progress: dict[Attempt, int] = field(default_factory=dict)
+    """Attempt -> calls its harness recorded as answered before it was killed (or ended)."""
 
     def apply(self, kind: str, event: Any) -> None:
         if kind == "task_submitted":
@@ -78,11 +82,15 @@ def reconcile(books: Books, journal: Iterable[StepRecord | Resume]) -> dict[str,
     for episode_id, attempt, _ in books.calls:
         captured[(episode_id, attempt)] += 1
     answered = lost = without_result = 0
-    for key, finished in books.finished.items():
-        calls = _answered(finished.result_json)
+    every_attempt = set(books.finished) | {
+        (e, a) for e, started in books.started.items() for a in started
+    }
+    for key in every_attempt:
+        finished = books.finished.get(key)
+        calls = _answered(finished.result_json) if finished is not None else None
         if calls is None:
             without_result += 1
-            continue
+            calls = books.progress.get(key, 0)
         answered += calls
         lost += max(0, calls - captured[key])
     closed_short = sum(1 for key, count in books.closed.items() if count < captured[key])

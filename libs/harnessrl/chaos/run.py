@@ -104,6 +104,7 @@ async def run_chaos(options: Options, progress: IO[str], log_file: IO[str]) -> d
             progress.flush()
             await stack.stop([n for n in stack.names if n != BROKER])
             await _read_topics(plan.bootstrap, books)
+            _read_progress(options.workdir / "episodes", books)
         finally:
             await stack.stop()
         from harnessrl.services.trainer import journal
@@ -245,3 +246,20 @@ async def _read_topics(bootstrap: str, books: Books) -> None:
     for topic in (events.TASKS, events.EPISODES, events.CALLS, events.SAMPLES):
         async for kind, event, _ in read_to_end(kafka, topic, client_id="harnessrl-chaos"):
             books.apply(kind, event)
+
+
+def _read_progress(workdir: Path, books: Books) -> None:
+    """What each started attempt's harness recorded as answered, from its run directory."""
+    import json
+
+    from harnessrl.services.controller.local import run_dir
+
+    for episode_id, attempts in books.started.items():
+        for attempt in attempts:
+            path = run_dir(workdir, episode_id, attempt) / "progress.json"
+            try:
+                calls = json.loads(path.read_text()).get("calls")
+            except (OSError, ValueError, AttributeError):
+                continue  # killed before its first answer, or not the calculator harness
+            if isinstance(calls, int) and calls >= 0:
+                books.progress[(episode_id, attempt)] = calls
