@@ -25,6 +25,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from harnessrl.bus import Producer
 from harnessrl.episode_token import EpisodeClaims
+from harnessrl.http.errors import ConnectionClosedError
 from harnessrl.logs import get_logger
 from harnessrl.services.gateway.capture import Completion, prepare, take
 from harnessrl.services.gateway.config import GatewaySection
@@ -190,8 +191,10 @@ class Call:
 
     async def chunks(self) -> AsyncIterator[StreamStart | dict[str, Any]]:
         """Forward a streamed call: first a StreamStart, then (when the engine answered 200)
-        each chunk as the engine sent it. Captured only when the stream ran to its end: a
-        harness that went away trained nothing."""
+        each chunk as the engine sent it. Captured only when the stream ran to its `[DONE]`
+        without an error event (an engine that failed mid-way sends one, as vLLM does, and
+        the harness sees the error): a harness that went away, or a generation that failed,
+        trains nothing."""
         body = orjson.dumps(self.upstream)
         self._versions = self._f.versions.snapshot()
         async with self._f.pool.stream(self.claims.episode_id, self.path, body) as (
@@ -206,17 +209,27 @@ class Call:
             yield StreamStart(200, None)
             completions: dict[int, Completion] = {}
             sent: list[bytes] = []
+            done = failed = False
             async for payload in response.iter_sse():
                 if payload.strip() == b"[DONE]":
+                    done = True
                     break
                 chunk = orjson.loads(payload)
-                take(chunk, self.kind, completions)
+                if "error" in chunk or chunk.get("object") == "error":
+                    failed = True
+                    self.outcome = "engine_error"
+                else:
+                    take(chunk, self.kind, completions)
                 if self._f.settings.capture_bodies:
                     sent.append(payload)
                 yield chunk
-            self._capture(
-                completions, engine, response.headers.get(VERSION_HEADER), b"\n".join(sent)
-            )
+            if done and not failed:
+                self._capture(
+                    completions, engine, response.headers.get(VERSION_HEADER), b"\n".join(sent)
+                )
+            elif not failed:  # the harness's stream is cut too, as when the engine goes away
+                self.outcome = "engine_cut"
+                raise ConnectionClosedError(f"{engine}: the stream ended before its [DONE]")
 
     def _capture(
         self,

@@ -121,7 +121,13 @@ def take(data: dict[str, Any], kind: str, completions: dict[int, Completion]) ->
 
 
 def for_harness(data: dict[str, Any], asked: Asked) -> dict[str, Any]:
-    """The engine's answer (or chunk) as the API would give it: modified in place."""
+    """The engine's answer (or chunk) as the API would give it: modified in place. An error
+    event is passed on in OpenAI's shape (vLLM's older flat one is put in it)."""
+    if "error" in data:
+        return data
+    if data.get("object") == "error":
+        keys = ("message", "type", "param", "code")
+        return {"error": {k: data.get(k) for k in keys}}
     data["model"] = asked.model or data.get("model")
     if not asked.token_ids:
         for name in _EXTRA_TOP:

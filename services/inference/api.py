@@ -400,6 +400,7 @@ class _Api:
             for request in requests:
                 self.engine.abort(request)
             raise
+        _raise_engine_failure(requests)
         return outputs
 
     async def _merged(
@@ -425,6 +426,7 @@ class _Api:
             while open_choices:
                 index, token = await queue.get()
                 if token is None:
+                    _raise_engine_failure(requests[index : index + 1])
                     open_choices -= 1
                     continue
                 delta = outputs[index].step(token)
@@ -446,10 +448,28 @@ class _Api:
                 self.engine.abort(request)
             raise
         return StreamingResponse(
-            stream,
+            _ending_in_error_events(stream),
             media_type="text/event-stream",
             headers={VERSION_HEADER: str(requests[0].version), "cache-control": "no-cache"},
         )
+
+
+def _raise_engine_failure(requests: list[EngineRequest]) -> None:
+    """An ApiError (500) when the engine failed one of these requests (its step raised)."""
+    for request in requests:
+        if request.error is not None:
+            raise ApiError(500, request.error, None, "engine_error")
+
+
+async def _ending_in_error_events(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A stream whose engine failed mid-way ends as vLLM's do: an event carrying the error
+    in OpenAI's shape, then `[DONE]` (the status line went out with the first chunk)."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    except ApiError as err:
+        yield _sse(err.body())
+        yield b"data: [DONE]\n\n"
 
 
 def _sse(data: dict[str, Any]) -> bytes:

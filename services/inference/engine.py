@@ -5,6 +5,11 @@ the event loop keeps serving HTTP. Each step: drop finished rows, prefill the re
 arrived since the last step and merge them into the running batch, then decode one token
 for every row. A request that arrives while a batch decodes therefore joins at the next step.
 
+A step that raises (a device error, an out-of-memory, a bug a request's input reaches) fails
+the requests of that step's batch, each with the error (`Request.error`), throws the batch's
+KV cache away, and the loop goes on with the requests still waiting: one bad step never
+takes the engine down with it, nor leaves the requests in it waiting forever.
+
 Weights are swapped only between steps and only once no request is running: `swap()` stops
 admission, lets in-flight requests finish, loads the new state dict, then admits again. So no
 request ever sees a half-updated model, and each request is served by exactly one policy
@@ -55,10 +60,20 @@ class Request:
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     aborted: bool = False
+    error: str | None = None
+    """Why the engine failed this request (its step raised); its tokens then end early."""
+    ended: bool = False
+    """`tokens` has had its None."""
     generator: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:
         self.generator = generator_for(self.params.seed)
+
+    def end(self) -> None:
+        """Put the None that ends `tokens` (once)."""
+        if not self.ended:
+            self.ended = True
+            self.tokens.put_nowait(None)
 
 
 class EngineMetrics:
@@ -87,6 +102,11 @@ class EngineMetrics:
         self.running = Gauge("harnessrl_engine_running", "Requests decoding.", registry=registry)
         self.version = Gauge(
             "harnessrl_engine_policy_version", "Policy version being served.", registry=registry
+        )
+        self.step_failures = Counter(
+            "harnessrl_engine_step_failures",
+            "Engine steps that raised (their requests failed).",
+            registry=registry,
         )
 
 
@@ -152,7 +172,7 @@ class Engine:
         request.aborted = True
         if request in self._waiting:
             self._waiting.remove(request)
-        request.tokens.put_nowait(None)
+        request.end()
 
     @property
     def load(self) -> tuple[int, int]:
@@ -214,11 +234,32 @@ class Engine:
             self._busy = True
             try:
                 outputs = await asyncio.to_thread(self._step, admitted)
+            except Exception as err:
+                self._fail_batch(admitted, err)
+                continue
             finally:
                 self._busy = False
             self._metrics.step.observe(time.perf_counter() - started)
             self.last_step_at = time.monotonic()
             self._dispatch(outputs)
+
+    def _fail_batch(self, admitted: list[Request], err: Exception) -> None:
+        """A step raised: fail every request it held, start again from an empty batch."""
+        failed = list(dict.fromkeys([*self._running, *admitted]))  # in order, each once
+        log.exception(
+            "engine step failed; failing its requests",
+            requests=len(failed),
+            error=f"{type(err).__name__}: {err}",
+        )
+        self._metrics.step_failures.inc()
+        self._running = []
+        self._batch = RunningBatch()
+        for request in failed:
+            if not request.ended:  # a token sampled in the failed step was never sent
+                request.error = f"the engine failed while generating ({type(err).__name__})"
+                request.end()
+        self._metrics.running.set(0)
+        self.last_step_at = time.monotonic()
 
     async def stop(self) -> None:
         """End the loop; requests still waiting or running end without a finish reason."""
@@ -246,7 +287,7 @@ class Engine:
         for request, token in outputs:
             request.tokens.put_nowait(token)
             if token.finish_reason is not None:
-                request.tokens.put_nowait(None)
+                request.end()
         self._metrics.tokens.inc(len(outputs))
         self._metrics.running.set(len(self._running))
 

@@ -37,6 +37,19 @@ class Stack:
     gateway_url: str
     gateway: GatewayService
     registry: CollectorRegistry
+    inference: InferenceService
+
+    def fail_next_engine_step(self) -> None:
+        """The engine's next step raises, as a device error would (then it is itself again)."""
+        engine = self.inference.engine
+        assert engine is not None
+        model = engine.model
+
+        def failing(*_: Any, **__: Any) -> Any:
+            del model.forward  # the class's forward again from the next step on
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        model.forward = failing
 
     def token(
         self,
@@ -122,7 +135,9 @@ async def running_stack(
     gateway_task = asyncio.create_task(service.run())
     await asyncio.wait_for(service.ready.wait(), 60)
     try:
-        yield Stack(broker, engine_url, f"http://127.0.0.1:{service.port}", service, registry)
+        yield Stack(
+            broker, engine_url, f"http://127.0.0.1:{service.port}", service, registry, engine
+        )
     finally:
         await service.stop()
         await gateway_task

@@ -13,16 +13,18 @@ from typing import Any
 import anthropic
 import httpx
 import openai
+import orjson
 import pytest
 import pytest_asyncio
 
 from harnessrl.broker import EmbeddedBroker
 from harnessrl.episode_token import EpisodeClaims, mint
+from harnessrl.http import HttpServer, Request, StreamingResponse
 from harnessrl.services.gateway.anthropic import messages_to_chat
 from harnessrl.v1 import events_pb2 as pb
 from tests.helpers import eventually
 from tests.integration.gateway_stack import ADMIN, SECRET, Stack, running_stack
-from tests.model_helpers import overfit
+from tests.model_helpers import TINY, overfit
 
 pytestmark = pytest.mark.integration
 
@@ -222,6 +224,80 @@ async def test_anthropic_messages_and_tool_use_are_captured(stack: Stack) -> Non
     direct = await _engine(stack, "chat/completions", {**chat.body, "stream": False})
     assert list(captured[0].prompt_token_ids) == direct["prompt_token_ids"]
     assert list(captured[0].completion_token_ids) == direct["choices"][0]["token_ids"]
+
+
+async def test_an_engine_failure_reaches_the_harness_as_the_apis_error_and_trains_nothing(
+    stack: Stack,
+) -> None:
+    openai_client = openai.AsyncOpenAI(
+        base_url=stack.openai_base(stack.token()), api_key="k", max_retries=0
+    )
+    anthropic_client = anthropic.AsyncAnthropic(
+        base_url=stack.anthropic_base(stack.token()), api_key="k", max_retries=0
+    )
+    request: dict[str, Any] = {"model": "m", "messages": QUESTION, "max_tokens": 8}
+    stack.fail_next_engine_step()
+    with pytest.raises(openai.InternalServerError) as whole:
+        await openai_client.chat.completions.create(**request)
+    assert whole.value.status_code == 500 and whole.value.code == "engine_error"
+    stack.fail_next_engine_step()
+    with pytest.raises(openai.APIError, match="the engine failed while generating"):
+        async for _ in await openai_client.chat.completions.create(stream=True, **request):
+            pass
+    stack.fail_next_engine_step()
+    with pytest.raises(anthropic.APIStatusError, match="the engine failed") as streamed:
+        async with anthropic_client.messages.stream(**request) as events:
+            await events.get_final_message()
+    assert streamed.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+    # The engine serves on; only the call that was answered is captured, as seq 0.
+    answer = await openai_client.chat.completions.create(**request)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    captured = await stack.calls(at_least=1)
+    assert [(c.seq, c.stream, c.finish_reason) for c in captured] == [
+        (0, False, answer.choices[0].finish_reason)
+    ]
+
+
+async def test_an_engine_stream_ending_before_its_done_is_cut_for_the_harness_too(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """An engine stream that ends cleanly but without `[DONE]` (a proxy cut it, say): the
+    harness's stream is cut as well, never finished for it, and nothing is captured."""
+    chunk = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "m",
+        "prompt_token_ids": [1, 2],
+        "choices": [{"index": 0, "delta": {"content": "4"}, "token_ids": [5]}],
+    }
+
+    async def cut(_: Request) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+        return StreamingResponse(200, [("content-type", "text/event-stream")], body())
+
+    engine = HttpServer(cut, host="127.0.0.1", port=0)
+    await engine.start()
+    try:
+        async with running_stack(
+            broker, tmp_path, TINY, engines=[f"http://127.0.0.1:{engine.port}"], engine_model="m"
+        ) as stack:
+            client = openai.AsyncOpenAI(
+                base_url=stack.openai_base(stack.token()), api_key="k", max_retries=0
+            )
+            stream = await client.chat.completions.create(
+                model="m", messages=QUESTION, max_tokens=4, stream=True
+            )
+            received = []
+            with pytest.raises((httpx.HTTPError, openai.APIConnectionError)):
+                async for part in stream:
+                    received.append(part.choices[0].delta.content)
+            assert received == ["4"]
+            assert await stack.calls(timeout=1.0) == []
+    finally:
+        await engine.stop(grace_s=1.0)
 
 
 async def test_refused_tokens_are_answered_and_capture_nothing(stack: Stack) -> None:

@@ -333,3 +333,41 @@ async def test_malformed_json_is_a_400(engine_url: str) -> None:
         )
     assert response.status_code == 400
     assert "error" in response.json()
+
+
+async def test_a_failed_engine_step_is_a_500_or_an_error_event_and_the_engine_serves_on() -> None:
+    service, task = await start_engine(TINY, max_model_len=512)
+    engine = service.engine
+    assert engine is not None
+
+    def fail_next_step() -> None:
+        def failing(*_: Any, **__: Any) -> Any:
+            del engine.model.forward  # the class's own from the next step on
+            raise RuntimeError("out of memory")
+
+        engine.model.forward = failing
+
+    url = f"http://127.0.0.1:{service.port}/v1/chat/completions"
+    body = {"model": "tiny-model", "messages": QUESTION, "max_tokens": 4}
+    try:
+        async with httpx.AsyncClient() as http:
+            fail_next_step()
+            whole = await http.post(url, json=body)
+            assert whole.status_code == 500
+            assert whole.json()["error"] == {
+                "message": "the engine failed while generating (RuntimeError)",
+                "type": "api_error",
+                "param": None,
+                "code": "engine_error",
+            }
+            fail_next_step()
+            async with http.stream("POST", url, json={**body, "stream": True}) as stream:
+                assert stream.status_code == 200
+                events = [line async for line in stream.aiter_lines() if line]
+            assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "engine_error"
+            assert events[-1] == "data: [DONE]"
+            after = await http.post(url, json=body)
+            assert after.status_code == 200, after.text
+    finally:
+        await service.stop()
+        await task

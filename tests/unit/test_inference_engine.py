@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 
 import pytest
@@ -200,6 +201,36 @@ async def test_a_state_dict_that_does_not_fit_is_refused_and_old_weights_stay(
     await loop
     assert engine.version == 0
     assert tokens == _greedy_alone(_model(seed=0), [4, 4], 4)
+
+
+async def test_a_step_that_raises_fails_its_batch_and_the_engine_serves_on() -> None:
+    model = _model(seed=0)
+    forward = model.forward
+    poison = 77
+
+    @functools.wraps(forward)  # keeps the signature the engine reads its cache argument from
+    def failing_forward(*args: object, **kwargs: object) -> object:
+        ids = kwargs["input_ids"]
+        assert isinstance(ids, torch.Tensor)
+        if (ids == poison).any():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return forward(*args, **kwargs)
+
+    model.forward = failing_forward  # type: ignore[method-assign]
+    engine = _engine(model)
+    failures = engine._metrics.step_failures
+    loop = asyncio.create_task(engine.run())
+    # Both in one step's prefill: the poisoned prompt takes its batch-mate down with it.
+    bad = engine.submit([3, poison, 5], SamplingParams(temperature=0, max_tokens=5))
+    mate = engine.submit([4, 4, 4], SamplingParams(temperature=0, max_tokens=5))
+    assert await _collect(bad) == [] and await _collect(mate) == []
+    assert bad.error == mate.error == "the engine failed while generating (RuntimeError)"
+    # The next request gets a fresh batch and exactly what it would get alone.
+    after = engine.submit([2, 7, 1, 8], SamplingParams(temperature=0, max_tokens=6))
+    assert await _collect(after) == _greedy_alone(_model(seed=0), [2, 7, 1, 8], 6)
+    assert after.error is None and failures._value.get() == 1
+    await engine.stop()
+    await loop
 
 
 def test_processed_logprobs_are_of_the_distribution_sampled_from() -> None:
