@@ -29,7 +29,7 @@ import orjson
 PROMPT_IDS = list(range(1000, 2000))
 COMPLETION_IDS = list(range(100, 164))
 LEVELS = (1, 16, 64)
-SECRET, ADMIN = "bench-secret-0123456789abcdef", "bench-admin"
+SECRET, ADMIN = "bench-secret-0123456789abcdef0123", "bench-admin-0123456789abcdef012345"
 EPISODES = 500
 BODY = orjson.dumps(
     {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}

@@ -38,7 +38,7 @@ import orjson
 from harnessrl.bench.episode_load import Closing, Load, calculator
 from harnessrl.services.controller.gateway_admin import GatewayAdmin
 
-SECRET, ADMIN = "bench-load-secret-0123456789abcdef", "bench-load-admin"
+SECRET, ADMIN = "bench-load-secret-0123456789abcdef", "bench-load-admin-0123456789abcdef012"
 CLOSE_TIMEOUT_S = 30.0
 """How long closing an episode may retry (the controller's client) before it is an error."""
 STOP_GRACE_S = 60.0

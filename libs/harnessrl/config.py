@@ -155,12 +155,26 @@ PLACEHOLDER_PREFIX = "REPLACE-ME"
 """How the deployment files mark secrets that must be replaced before use."""
 
 
+MIN_SECRET_CHARS = 32
+"""Shortest shared secret accepted: the episode-token key can be guessed offline from any
+token a harness holds, and the admin token online, so neither may be short."""
+
+
 def real_secret(value: SecretStr | None) -> SecretStr | None:
-    """A shared secret as given, refusing the deployment files' public placeholders."""
-    if value is not None and value.get_secret_value().startswith(PLACEHOLDER_PREFIX):
+    """A shared secret as given, refusing the deployment files' public placeholders and
+    secrets shorter than MIN_SECRET_CHARS."""
+    if value is None:
+        return value
+    secret = value.get_secret_value()
+    if secret.startswith(PLACEHOLDER_PREFIX):
         raise ValueError(
             f"still the placeholder {PLACEHOLDER_PREFIX}...: set a secret of your own "
             "(e.g. `openssl rand -hex 32`); the placeholders are public"
+        )
+    if len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(
+            f"{len(secret)} characters; at least {MIN_SECRET_CHARS} are required "
+            "(e.g. `openssl rand -hex 32`)"
         )
     return value
 
@@ -186,6 +200,7 @@ class ServiceConfig(BaseSettings):
         frozen=True,
         extra="ignore",  # the shared file holds other services' sections too
         use_attribute_docstrings=True,
+        hide_input_in_errors=True,  # a refused value may be a secret
     )
 
     instance: str = Field(default_factory=socket.gethostname)

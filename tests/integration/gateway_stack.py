@@ -27,7 +27,7 @@ from harnessrl.v1 import events_pb2 as pb
 from tests.helpers import FAST_GROUP, read_topic, topic_size
 
 SECRET = "token-secret-for-tests-0123456789"
-ADMIN = "admin-token-for-tests"
+ADMIN = "admin-token-for-tests-0123456789abcdef"
 
 
 @dataclass

@@ -32,8 +32,8 @@ from harnessrl.episode_token import EpisodeClaims, mint
 
 pytestmark = pytest.mark.integration
 
-SECRET = "restart-test-secret"
-ADMIN = "restart-test-admin"
+SECRET = "restart-test-secret-0123456789abcdef"
+ADMIN = "restart-test-admin-0123456789abcdef"
 QUESTION: list[Any] = [{"role": "user", "content": "What is 12 plus 30?"}]
 
 

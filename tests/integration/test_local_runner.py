@@ -192,8 +192,8 @@ async def test_the_harness_sees_its_environment_and_none_of_the_controllers_secr
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("HARNESSRL_CONTROLLER__TOKEN_SECRET", "do-not-leak")
-    monkeypatch.setenv("HARNESSRL_GATEWAY__ADMIN_TOKEN", "do-not-leak-either")
+    monkeypatch.setenv("HARNESSRL_CONTROLLER__TOKEN_SECRET", "do-not-leak-0123456789abcdef-0123")
+    monkeypatch.setenv("HARNESSRL_GATEWAY__ADMIN_TOKEN", "do-not-leak-either-0123456789abcdef")
     result = await _run(
         _runner(tmp_path),
         _spec(

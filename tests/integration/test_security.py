@@ -755,7 +755,9 @@ async def config_show(service: str) -> str:
     env = {
         **os.environ,
         "HARNESSRL_GATEWAY__TOKEN_SECRET": SECRET,
-        "HARNESSRL_GATEWAY__PREVIOUS_TOKEN_SECRETS": json.dumps(["old-token-secret-0123456789"]),
+        "HARNESSRL_GATEWAY__PREVIOUS_TOKEN_SECRETS": json.dumps(
+            ["old-token-secret-0123456789abcdef01"]
+        ),
         "HARNESSRL_GATEWAY__ADMIN_TOKEN": ADMIN,
         "HARNESSRL_CONTROLLER__TOKEN_SECRET": SECRET,
         "HARNESSRL_CONTROLLER__ADMIN_TOKEN": ADMIN,
@@ -827,7 +829,7 @@ async def test_no_secret_nor_token_reaches_logs_metrics_health_spans_or_config_s
         "spans": spans.read_text(),
         "config show": "\n".join(await shown),
     }
-    credentials = [SECRET, ADMIN, "kafka-password-0123", "old-token-secret-0123456789"]
+    credentials = [SECRET, ADMIN, "kafka-password-0123", "old-token-secret-0123456789abcdef01"]
     for token in (result["token"], mine, forged):
         credentials += [token, token.split(".")[1]]  # the whole token, and its MAC alone
     leaks = [(where, c) for where, text in texts.items() for c in credentials if c in text]

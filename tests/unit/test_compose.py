@@ -36,7 +36,10 @@ IMAGE = "harnessrl:latest"
 DOCKERFILE = "deploy/Dockerfile"
 PREFIX = "HARNESSRL_"
 # What a user puts in .env: the only variables the file requires.
-SECRETS = {"HARNESSRL_TOKEN_SECRET": "token-secret-x", "HARNESSRL_ADMIN_TOKEN": "admin-token-x"}
+SECRETS = {
+    "HARNESSRL_TOKEN_SECRET": "token-secret-x-0123456789abcdef0123",
+    "HARNESSRL_ADMIN_TOKEN": "admin-token-x-0123456789abcdef01234",
+}
 
 # Compose service -> (its config class, its section): every harnessrl service of the stack,
 # named as its `harnessrl` subcommand.

@@ -96,3 +96,30 @@ def test_a_harness_may_not_inherit_the_services_settings() -> None:
     with pytest.raises(ValidationError, match="HARNESSRL_CONTROLLER__TOKEN_SECRET: HARNESSRL_"):
         ControllerSection(inherit_env=["PATH", "HARNESSRL_CONTROLLER__TOKEN_SECRET"])
     assert ControllerSection(inherit_env=["PATH"]).inherit_env == ["PATH"]
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ("gateway", "token_secret"),
+        ("gateway", "admin_token"),
+        ("gateway", "previous_token_secrets"),
+        ("controller", "token_secret"),
+        ("controller", "admin_token"),
+    ],
+)
+def test_short_shared_secrets_are_refused_naming_the_field(section: str, field: str) -> None:
+    from harnessrl.config import MIN_SECRET_CHARS
+    from harnessrl.services.controller.config import ControllerConfig
+    from harnessrl.services.gateway.config import GatewayConfig
+
+    cls = GatewayConfig if section == "gateway" else ControllerConfig
+    short, enough = "s" * (MIN_SECRET_CHARS - 1), "s" * MIN_SECRET_CHARS
+    value = [short] if field == "previous_token_secrets" else short
+    with pytest.raises(
+        ValueError, match=rf"{section}\.{field}\n.*31 characters; at least 32"
+    ) as err:
+        load_config(cls, **{section: {field: value}})
+    assert short not in str(err.value)  # a refused secret is not echoed
+    ok = [enough] if field == "previous_token_secrets" else enough
+    load_config(cls, **{section: {field: ok}})

@@ -121,16 +121,16 @@ def test_secret_values_are_every_secret_of_a_config() -> None:
     config = GatewayConfig(
         kafka=KafkaSettings(sasl_password=SecretStr("kafka-password")),
         gateway=GatewaySection(
-            token_secret=SecretStr("token-secret-0123456789"),
-            previous_token_secrets=[SecretStr("old-secret-0123456789")],
-            admin_token=SecretStr("admin-token-0123456789"),
+            token_secret=SecretStr("token-secret-0123456789abcdef0123"),
+            previous_token_secrets=[SecretStr("old-secret-0123456789abcdef012345")],
+            admin_token=SecretStr("admin-token-0123456789abcdef01234"),
         ),
     )
     assert sorted(secret_values(config)) == [
-        "admin-token-0123456789",
+        "admin-token-0123456789abcdef01234",
         "kafka-password",
-        "old-secret-0123456789",
-        "token-secret-0123456789",
+        "old-secret-0123456789abcdef012345",
+        "token-secret-0123456789abcdef0123",
     ]
 
 
@@ -162,8 +162,8 @@ def test_a_served_process_masks_the_secrets_of_its_config(
     config = GatewayConfig(
         gateway=GatewaySection(
             port=0,
-            token_secret=SecretStr("token-secret-0123456789"),
-            admin_token=SecretStr("admin-token-0123456789"),
+            token_secret=SecretStr("token-secret-0123456789abcdef0123"),
+            admin_token=SecretStr("admin-token-0123456789abcdef01234"),
         )
     )
     assert serve("gateway", config, config.gateway, lambda _: _Chatty(config)) == 0
