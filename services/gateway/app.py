@@ -4,6 +4,9 @@
     /v1/chat/completions | /completions | /models | /messages             token as API key
     /admin/...   /healthz   /metrics   /openapi.json (the routes above; services/gateway/openapi.py)
 
+With `gateway.admin_port` set, /admin/... is served only on that port (AdminApp, with
+/healthz and /metrics) and is a 404 on the harness port.
+
 The token in the path is the episode's; an API key that is a valid token of another episode
 is refused (403), anything else in it is ignored (SDKs always send some key). Errors are
 answered in the API's own shape: OpenAI's for OpenAI routes, Anthropic's for /v1/messages.
@@ -78,7 +81,7 @@ class GatewayApp:
     def __init__(
         self,
         forwarder: Forwarder,
-        admin: Admin,
+        admin: Admin | None,
         *,
         secrets: Sequence[bytes],
         registry: CollectorRegistry,
@@ -100,15 +103,10 @@ class GatewayApp:
             return await self._api(request, "/" + rest, token, path_token=True)
         if path.startswith("/v1/"):
             return await self._api(request, path, _api_key(request) or "", path_token=False)
-        if path.startswith("/admin/"):
+        if path.startswith("/admin/") and self._admin is not None:
             return await self._admin.handle(request)
-        if path == "/healthz":
-            status, body = health_body(self._health())
-            return Response(status, [("content-type", "application/json")], body)
-        if path == "/metrics":
-            return Response(
-                200, [("content-type", CONTENT_TYPE_LATEST)], generate_latest(self._registry)
-            )
+        if path in ("/healthz", "/metrics"):
+            return _service_route(path, self._health, self._registry)
         if path == "/openapi.json":
             return Response(200, [("content-type", "application/json")], document_bytes())
         return openai_error(404, f"{path}: not found")
@@ -226,6 +224,39 @@ class GatewayApp:
             raise TokenError(
                 "other_episode", "episode token: the API key is the token of another episode"
             )
+
+
+class AdminApp:
+    """The request handler of the admin port (`gateway.admin_port`): the admin API, and the
+    service's /healthz and /metrics; nothing of the harness API."""
+
+    def __init__(
+        self,
+        admin: Admin,
+        *,
+        registry: CollectorRegistry,
+        health: Callable[[], dict[str, bool]],
+    ) -> None:
+        self._admin = admin
+        self._registry = registry
+        self._health = health
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.path
+        if path.startswith("/admin/"):
+            return await self._admin.handle(request)
+        if path in ("/healthz", "/metrics"):
+            return _service_route(path, self._health, self._registry)
+        return openai_error(404, f"{path}: not found (this is the admin port)")
+
+
+def _service_route(
+    path: str, health: Callable[[], dict[str, bool]], registry: CollectorRegistry
+) -> Response:
+    if path == "/healthz":
+        status, body = health_body(health())
+        return Response(status, [("content-type", "application/json")], body)
+    return Response(200, [("content-type", CONTENT_TYPE_LATEST)], generate_latest(registry))
 
 
 def verify_expiry(claims: EpisodeClaims) -> None:

@@ -21,6 +21,11 @@ def register(commands: Any) -> None:
     parser.add_argument("--host", help="interface to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (default 8000; 0 picks one)")
     parser.add_argument(
+        "--admin-port",
+        type=int,
+        help="serve the admin API only on this port (default: on --port)",
+    )
+    parser.add_argument(
         "--engine",
         action="append",
         metavar="URL",
@@ -35,8 +40,13 @@ def run(args: argparse.Namespace) -> int:
     from harnessrl.services.gateway.config import GatewayConfig
     from harnessrl.services.gateway.service import GatewayService
 
-    flags = {"host": args.host, "port": args.port, "engines": args.engine}
-    config = load(GatewayConfig, args, gateway={k: v for k, v in flags.items() if v})
+    flags = {
+        "host": args.host,
+        "port": args.port,
+        "admin_port": args.admin_port,
+        "engines": args.engine,
+    }
+    config = load(GatewayConfig, args, gateway={k: v for k, v in flags.items() if v is not None})
     try:
         return serve(
             "gateway",

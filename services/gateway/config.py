@@ -23,7 +23,15 @@ class GatewaySection(ServiceSection):
     """The gateway: where harness calls come in and which engines answer them."""
 
     port: int = Field(default=8000, ge=0, le=65535)
-    """Port of the harness-facing API, the admin API, /healthz and /metrics."""
+    """Port of the harness-facing API, /healthz and /metrics, and of the admin API unless
+    `admin_port` is set."""
+    admin_port: int | None = Field(default=None, ge=0, le=65535)
+    """Port of the admin API alone (with /healthz and /metrics); set, the harness port
+    answers /admin/... with 404, so a NetworkPolicy or firewall can keep harnesses off the
+    admin API altogether (0 picks a free port). Unset: the admin API is on `port`, behind
+    its token only."""
+    admin_host: str | None = None
+    """Interface the admin port binds to (default: `host`)."""
     engines: list[str] = ["http://127.0.0.1:8100"]
     """Base URLs of the inference engines; an episode sticks to one (rendezvous hashing)."""
     engine_model: str | None = None

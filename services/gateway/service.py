@@ -17,7 +17,7 @@ from harnessrl.retry import Backoff, retry
 from harnessrl.runtime import Runtime
 from harnessrl.services.gateway import anthropic_api
 from harnessrl.services.gateway.admin import Admin
-from harnessrl.services.gateway.app import GatewayApp, openai_error
+from harnessrl.services.gateway.app import AdminApp, GatewayApp, openai_error
 from harnessrl.services.gateway.calls import Forwarder
 from harnessrl.services.gateway.config import GatewayConfig
 from harnessrl.services.gateway.control import Gate
@@ -47,6 +47,8 @@ class GatewayService:
         self._stopping = asyncio.Event()
         self.ready = asyncio.Event()
         self.server: HttpServer | None = None
+        self.admin_server: HttpServer | None = None
+        """The admin port's server, when `gateway.admin_port` is set."""
         self._producer: Producer | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self.gate = Gate(hold_s=section.pause_hold_s, retry_after_s=section.pause_retry_after_s)
@@ -62,6 +64,11 @@ class GatewayService:
     @property
     def port(self) -> int:
         return self.server.port if self.server is not None else 0
+
+    @property
+    def admin_port(self) -> int:
+        """The port of the admin API (the harness port unless `gateway.admin_port` is set)."""
+        return self.admin_server.port if self.admin_server is not None else self.port
 
     async def run(self) -> None:
         config, section, runtime = self._config, self._config.gateway, self._runtime
@@ -118,9 +125,10 @@ class GatewayService:
                 s.get_secret_value().encode()
                 for s in [section.token_secret, *section.previous_token_secrets]
             ]
+            separate = section.admin_port is not None
             app = GatewayApp(
                 forwarder,
-                admin,
+                None if separate else admin,
                 secrets=secrets,
                 registry=runtime.registry,
                 health=self.health,
@@ -138,6 +146,19 @@ class GatewayService:
             )
             await self.server.start()
             stack.push_async_callback(self.server.stop, section.shutdown_timeout_s)
+            if separate:
+                self.admin_server = HttpServer(
+                    AdminApp(admin, registry=runtime.registry, health=self.health),
+                    host=section.admin_host or section.host,
+                    port=section.admin_port or 0,
+                    max_body_bytes=section.max_body_bytes,
+                    header_timeout_s=section.header_timeout_s,
+                    body_timeout_s=section.body_timeout_s,
+                    keepalive_timeout_s=section.keepalive_timeout_s,
+                    on_error=_error_response,
+                )
+                await self.admin_server.start()
+                stack.push_async_callback(self.admin_server.stop, section.shutdown_timeout_s)
             self._background(self._topics(), "topics")
             recovering = asyncio.create_task(self._recover(producer), name="recover")
             self._tasks.append(recovering)
@@ -146,6 +167,7 @@ class GatewayService:
             log.info(
                 "gateway serving",
                 port=self.port,
+                admin_port=self.admin_port,
                 engines=section.engines,
                 engine_model=engine_model,
             )
@@ -164,7 +186,8 @@ class GatewayService:
 
     def health(self) -> dict[str, bool]:
         return {
-            "serving": self.server is not None,
+            "serving": self.server is not None
+            and (self._config.gateway.admin_port is None or self.admin_server is not None),
             "recovered": not self.recovery.paused,
             "producer": self._producer is not None and self._producer.healthy,
         }

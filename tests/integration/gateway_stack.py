@@ -39,6 +39,11 @@ class Stack:
     registry: CollectorRegistry
     inference: InferenceService
 
+    @property
+    def admin_url(self) -> str:
+        """Where the admin API is: the harness port unless `admin_port` was set."""
+        return f"http://127.0.0.1:{self.gateway.admin_port}"
+
     def fail_next_engine_step(self) -> None:
         """The engine's next step raises, as a device error would (then it is itself again)."""
         engine = self.inference.engine

@@ -123,7 +123,7 @@ async def close_and_check(stack: Stack, expected: dict[tuple[str, int], int]) ->
     """Close each (episode, attempt) of `expected` with the admin token; the gateway must
     count exactly the expected calls of each, and hrl.calls must then hold exactly those
     ModelCalls and these EpisodeClosed, nothing else (their acks came before the answers)."""
-    async with httpx.AsyncClient(base_url=stack.gateway_url) as http:
+    async with httpx.AsyncClient(base_url=stack.admin_url) as http:
         for (episode, attempt), count in expected.items():
             closed = await http.post(
                 f"/admin/episodes/{episode}/close",
@@ -358,6 +358,37 @@ async def test_admin_routes_refuse_everything_but_the_admin_bearer_token(stack: 
         assert (await http.post(f"/e/{token}/v1/chat/completions", json=CHAT)).status_code == 200
     assert refused(stack, "admin_auth") == len(credentials) * (len(ADMIN_ROUTES) + 1)
     await close_and_check(stack, {("ep-v", 1): 2})
+
+
+async def test_with_an_admin_port_the_admin_api_is_there_and_only_there(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """`gateway.admin_port`: the harness port has no admin API at all (404, even with the
+    admin token), the admin port no harness API; so a NetworkPolicy on the harness port
+    keeps harnesses off the admin API whatever they hold."""
+    async with running_stack(broker, tmp_path, TINY, admin_port=0) as stack:
+        assert stack.gateway.admin_port not in (0, port(stack))
+        token = stack.token("ep-p")
+        harness_side = httpx.AsyncClient(base_url=stack.gateway_url)
+        admin_side = httpx.AsyncClient(base_url=stack.admin_url)
+        async with harness_side, admin_side:
+            for method, path, body in ADMIN_ROUTES:
+                answer = await harness_side.request(method, path, headers=AUTH, json=body)
+                openai_refusal(answer, 404, "not_found_error")
+            bearer = {"authorization": f"Bearer {token}"}
+            for path in (f"/e/{token}/v1/chat/completions", "/v1/chat/completions"):
+                answer = await admin_side.post(path, headers=bearer, json=CHAT)
+                openai_refusal(answer, 404, "not_found_error")
+            assert (await admin_side.get("/openapi.json")).status_code == 404
+            for headers, query in wrong_credentials(token).values():
+                admin_refusal(await admin_side.get("/admin/status", headers=headers, params=query))
+            assert (await admin_side.get("/admin/status", headers=AUTH)).json()["paused"] is False
+            for side in (harness_side, admin_side):
+                assert (await side.get("/healthz")).status_code == 200
+                assert "harnessrl_gateway_calls_total" in (await side.get("/metrics")).text
+            answer = await harness_side.post(f"/e/{token}/v1/chat/completions", json=CHAT)
+            assert answer.status_code == 200, answer.text
+        await close_and_check(stack, {("ep-p", 1): 1})
 
 
 # -- oversized requests ------------------------------------------------------------------

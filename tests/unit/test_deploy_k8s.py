@@ -424,7 +424,9 @@ def test_harness_pods_may_reach_only_the_gateway_port_and_dns(objects: tuple[Obj
 
     gateway = named(objects, "StatefulSet", "gateway")
     gateway_labels = gateway["spec"]["template"]["metadata"]["labels"]
-    gateway_port = port_number(gateway["spec"]["template"]["spec"]["containers"][0], "http")
+    gateway_container = gateway["spec"]["template"]["spec"]["containers"][0]
+    gateway_port = port_number(gateway_container, "http")
+    assert port_number(gateway_container, "admin") != gateway_port  # not opened below
     allowed: set[tuple[str, str, int]] = set()
     for rule in spec["egress"]:
         assert rule.get("to") and rule.get("ports"), f"egress rule open to all: {rule}"
@@ -516,6 +518,9 @@ def test_each_service_loads_its_config_and_listens_where_probes_and_services_loo
             if command == "gateway":
                 for url in section.engines:
                     check_url(url, services, "inference")
+                assert section.admin_port is not None, "the admin API shares the harness port"
+                assert section.admin_port == port_number(container, "admin")
+                assert section.admin_port in services["gateway"]
             if command == "trainer":
                 host, _, port = section.advertise_address.rpartition(":")
                 assert section.weightsync.host == "0.0.0.0"
@@ -545,6 +550,9 @@ def check_controller(
     assert section.runner == "kubernetes"
     assert section.harness is not None
     check_url(section.gateway_url, services, "gateway")
+    assert section.gateway_admin_url is not None
+    check_url(section.gateway_admin_url, services, "gateway")
+    assert urlsplit(section.gateway_admin_url).port != urlsplit(section.gateway_url).port
     kube = section.kubernetes
     assert kube is not None
     assert kube.namespace == NAMESPACE
