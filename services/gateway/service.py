@@ -134,31 +134,14 @@ class GatewayService:
                 health=self.health,
                 models=lambda: models,
             )
-            self.server = HttpServer(
-                app,
-                host=section.host,
-                port=section.port,
-                max_body_bytes=section.max_body_bytes,
-                header_timeout_s=section.header_timeout_s,
-                body_timeout_s=section.body_timeout_s,
-                keepalive_timeout_s=section.keepalive_timeout_s,
-                on_error=_error_response,
-            )
-            await self.server.start()
-            stack.push_async_callback(self.server.stop, section.shutdown_timeout_s)
+            self.server = await self._serve(app, section.host, section.port, stack)
             if separate:
-                self.admin_server = HttpServer(
+                self.admin_server = await self._serve(
                     AdminApp(admin, registry=runtime.registry, health=self.health),
-                    host=section.admin_host or section.host,
-                    port=section.admin_port or 0,
-                    max_body_bytes=section.max_body_bytes,
-                    header_timeout_s=section.header_timeout_s,
-                    body_timeout_s=section.body_timeout_s,
-                    keepalive_timeout_s=section.keepalive_timeout_s,
-                    on_error=_error_response,
+                    section.admin_host or section.host,
+                    section.admin_port or 0,
+                    stack,
                 )
-                await self.admin_server.start()
-                stack.push_async_callback(self.admin_server.stop, section.shutdown_timeout_s)
             self._background(self._topics(), "topics")
             recovering = asyncio.create_task(self._recover(producer), name="recover")
             self._tasks.append(recovering)
@@ -183,6 +166,24 @@ class GatewayService:
 
     async def stop(self) -> None:
         self._stopping.set()
+
+    async def _serve(self, handler: Any, host: str, port: int, stack: AsyncExitStack) -> HttpServer:
+        """An HTTP server with the gateway's limits and error shapes, started; stopped with
+        `stack`."""
+        section = self._config.gateway
+        server = HttpServer(
+            handler,
+            host=host,
+            port=port,
+            max_body_bytes=section.max_body_bytes,
+            header_timeout_s=section.header_timeout_s,
+            body_timeout_s=section.body_timeout_s,
+            keepalive_timeout_s=section.keepalive_timeout_s,
+            on_error=_error_response,
+        )
+        await server.start()
+        stack.push_async_callback(server.stop, section.shutdown_timeout_s)
+        return server
 
     def health(self) -> dict[str, bool]:
         return {
