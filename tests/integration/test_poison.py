@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -76,29 +77,31 @@ def invalid(event: Message) -> bytes:
     return events.encode(event, producer="poison")
 
 
-async def _publish_raw(broker: EmbeddedBroker, tmp_path: Path, records: Iterable[Any]) -> None:
-    """(topic, key, value) records, in order, exactly as given."""
+@asynccontextmanager
+async def _producer(broker: EmbeddedBroker, tmp_path: Path, name: str) -> AsyncIterator[Producer]:
     producer = Producer(
         KafkaSettings(bootstrap_servers=broker.bootstrap),
-        ProducerSettings(spill_dir=tmp_path / "poison-spill"),
-        name="poison/0",
+        ProducerSettings(spill_dir=tmp_path / f"{name}-spill"),
+        name=f"{name}/0",
     )
     await producer.start()
-    for topic, key, value in records:
-        await producer.publish_raw(topic, key.encode(), value)
-    await producer.stop()
+    try:
+        yield producer
+    finally:
+        await producer.stop()
+
+
+async def _publish_raw(broker: EmbeddedBroker, tmp_path: Path, records: Iterable[Any]) -> None:
+    """(topic, key, value) records, in order, exactly as given."""
+    async with _producer(broker, tmp_path, "poison") as producer:
+        for topic, key, value in records:
+            await producer.publish_raw(topic, key.encode(), value)
 
 
 async def _publish(broker: EmbeddedBroker, tmp_path: Path, items: Iterable[Message]) -> None:
-    producer = Producer(
-        KafkaSettings(bootstrap_servers=broker.bootstrap),
-        ProducerSettings(spill_dir=tmp_path / "good-spill"),
-        name="good/0",
-    )
-    await producer.start()
-    for item in items:
-        await producer.publish(item)
-    await producer.stop()
+    async with _producer(broker, tmp_path, "good") as producer:
+        for item in items:
+            await producer.publish(item)
 
 
 Expected = list[tuple[str, str, bytes, set[str]]]
