@@ -41,6 +41,19 @@ demo: venv
 	$(BIN)/harnessrl experiment --config examples/calculator/demo.yaml \
 		--train runs/calculator-train.jsonl --val runs/calculator-val.jsonl --steps $(DEMO_STEPS)
 
+# The real coding-agent CLIs (Codex, Claude Code) that tests/integration/test_harness_clis.py
+# runs against the gateway, at the exact versions and integrity hashes of the lock file.
+# --ignore-scripts: their postinstall scripts only place the platform binary, which
+# tests/harnesses/clis.py finds in the platform package itself. The stamp makes it idempotent.
+HARNESS_CLIS := tests/harnesses/node_modules/.installed
+
+.PHONY: harness-clis
+harness-clis: $(HARNESS_CLIS)
+
+$(HARNESS_CLIS): tests/harnesses/package.json tests/harnesses/package-lock.json
+	npm ci --ignore-scripts --no-audit --no-fund --prefix tests/harnesses
+	touch $(HARNESS_CLIS)
+
 bench-bus: venv
 	$(BIN)/harnessrl bench bus
 

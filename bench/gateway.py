@@ -2,11 +2,15 @@
 
 Three processes besides the embedded broker: a stand-in engine answering canned vLLM-shaped
 chat completions (1,000 prompt ids, 64 completion ids with log-probs: the gateway's cost is
-isolated from any model), the real `harnessrl gateway` capturing every call to hrl.calls,
-and a load generator keeping C calls in flight. For C in 1, 16, 64, runs alternate between
-the engine directly and the gateway (each episode call through its own token); the figures
-are medians over rounds. Then a soak of 100,000 calls through the gateway measures its
-resident memory before and after.
+isolated from any model; streams paced token by token, bench/gateway_stream.py), the real
+`harnessrl gateway` capturing every call to hrl.calls, and a load generator keeping C calls
+in flight. For C in 1, 16, 64, runs alternate between the engine directly and the gateway
+(each episode call through its own token); the figures are medians over rounds. Then the
+streamed and Responses rows at C=16 with the gateway's CPU per call and per streamed token
+(bench/gateway_stream.py), a soak of 100,000 calls through the gateway measuring its
+resident memory before and after, and the stalled-upload attack (64 connections each
+sending 8 MiB - 1 byte and stalling, twice; bench/http_memory.py) with the gateway's memory
+at its start, peaks and after.
 """
 
 from __future__ import annotations
@@ -62,28 +66,6 @@ def _canned() -> bytes:
             "usage": {"prompt_tokens": 1000, "completion_tokens": 64, "total_tokens": 1064},
         }
     )
-
-
-def _standin(port: int) -> None:
-    """The stand-in engine (a child process): canned answers, no model."""
-    from harnessrl.http import HttpServer, Response
-
-    answer = _canned()
-    models = orjson.dumps({"object": "list", "data": [{"id": "bench", "object": "model"}]})
-
-    async def handle(request: Any) -> Response:
-        if request.path == "/v1/models":
-            return Response(200, [("content-type", "application/json")], models)
-        return Response(
-            200, [("content-type", "application/json"), ("x-policy-version", "3")], answer
-        )
-
-    async def main() -> None:
-        server = HttpServer(handle, host="127.0.0.1", port=port)
-        await server.start()
-        await asyncio.Event().wait()
-
-    run_loop(main())
 
 
 def run_loop(coroutine: Any) -> None:
@@ -200,13 +182,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace, log: Any) -> dict[str, Any]:
+    from harnessrl.bench.gateway_stream import standin as engine
     from harnessrl.broker import EmbeddedBroker, free_port
 
     broker = EmbeddedBroker(port=0)
     await broker.start()
     engine_port, gateway_port = free_port(), free_port()
     standin = multiprocessing.get_context("spawn").Process(
-        target=_standin, args=(engine_port,), daemon=True
+        target=engine, args=(engine_port,), daemon=True
     )
     standin.start()
     spill = tempfile.mkdtemp(prefix="harnessrl-bench-gateway-")
@@ -279,12 +262,39 @@ def _run(
             f"c={concurrency}: gateway {g['rps']:,.0f} calls/s p50 {g['p50_ms']:.2f} ms "
             f"p99 {g['p99_ms']:.2f} ms; direct {d['rps']:,.0f} calls/s p50 {d['p50_ms']:.2f} ms"
         )
+    from harnessrl.bench import gateway_stream
+
+    result.update(
+        gateway_stream.rows(
+            direct[0],
+            through[0],
+            _tokens(),
+            pid=gateway_pid,
+            seconds=args.seconds,
+            rounds=args.rounds,
+            log=log,
+        )
+    )
     before = rss_mb(gateway_pid)
     soak = _measure(*through, concurrency=64, seconds=3600.0, calls=args.soak_calls)
     after = rss_mb(gateway_pid)
     log(
         f"soak: {soak['calls']:,.0f} calls at {soak['rps']:,.0f}/s, RSS {before:.1f} -> "
         f"{after:.1f} MB"
+    )
+    from harnessrl.bench.http_memory import attack, gateway_stats
+
+    start = rss_mb(gateway_pid)
+    for n in (1, 2):  # the security review's attack: 64 stalled 8 MiB - 1 byte uploads
+        figures = attack(gateway_port, gateway_pid, 64, gateway_stats)
+        result.update({f"upload_attack_r{n}_{k}": v for k, v in figures.items()})
+        log(
+            f"upload attack {n}: RSS {start:.1f} -> peak {figures['rss_mb_peak']:.1f} -> "
+            f"{figures['rss_mb_after']:.1f} MB after; answers {figures['answers']}"
+        )
+    result["upload_attack_rss_mb_start"] = round(start, 1)
+    result["upload_attack_rss_mb_growth"] = round(
+        result["upload_attack_r2_rss_mb_after"] - start, 1
     )
     result.update(
         {

@@ -67,6 +67,19 @@ def mint(claims: EpisodeClaims, secret: bytes) -> str:
     return f"{payload}.{_b64(_mac(payload, secret))}"
 
 
+def harness_env(gateway_url: str, token: str) -> dict[str, str]:
+    """The variables that point a harness at the gateway as the episode of `token`: the
+    OpenAI and Anthropic SDKs' base URLs, the token in the path, and their API keys (the
+    token again, for harnesses that set their own base URL)."""
+    base = gateway_url.rstrip("/")
+    return {
+        "OPENAI_BASE_URL": f"{base}/e/{token}/v1",
+        "OPENAI_API_KEY": token,
+        "ANTHROPIC_BASE_URL": f"{base}/e/{token}",
+        "ANTHROPIC_API_KEY": token,
+    }
+
+
 def verify(token: str, secrets: Sequence[bytes], now: float | None = None) -> EpisodeClaims:
     """The claims of a valid token; raises TokenError otherwise.
 

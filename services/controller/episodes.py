@@ -17,7 +17,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from harnessrl.bus import Producer
-from harnessrl.episode_token import EpisodeClaims, mint
+from harnessrl.episode_token import EpisodeClaims, harness_env, mint
 from harnessrl.logs import get_logger
 from harnessrl.services.controller.admission import Admission
 from harnessrl.services.controller.config import ControllerSection, HarnessSpec
@@ -179,13 +179,9 @@ class EpisodeRunner:
             traceparent=_traceparent(),
         )
         token = mint(claims, self._secret)
-        base = settings.gateway_url.rstrip("/")
         return {
             **job.harness.env,
-            "OPENAI_BASE_URL": f"{base}/e/{token}/v1",
-            "OPENAI_API_KEY": token,
-            "ANTHROPIC_BASE_URL": f"{base}/e/{token}",
-            "ANTHROPIC_API_KEY": token,
+            **harness_env(settings.gateway_url, token),
             "TRACEPARENT": claims.traceparent,
             "HARNESSRL_TASK": job.task.input_json,
         }

@@ -1,21 +1,31 @@
-"""Routing of the gateway's HTTP API, authentication, and the OpenAI routes.
+"""Routing of the gateway's HTTP API and authentication; the dialects do the rest.
 
-    /e/{token}/v1/chat/completions | /completions | /models | /messages   token in the path
-    /v1/chat/completions | /completions | /models | /messages             token as API key
-    /admin/...   /healthz   /metrics   /openapi.json (the routes above; services/gateway/openapi.py)
+    /e/{token}/v1/...   the episode token in the path      /v1/...   the token as API key
+
+    POST /v1/chat/completions        OpenAI chat                 dialects/openai_chat.py
+    POST /v1/completions             OpenAI completions          dialects/openai_completions.py
+    POST /v1/responses               OpenAI Responses            dialects/responses.py
+    GET|DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items
+    POST /v1/messages                Anthropic Messages          dialects/anthropic.py
+    POST /v1/messages/count_tokens   Anthropic token count (the engine's own count)
+    GET  /v1/models, /v1/models/{id} in the shape of the API the client speaks
+    /admin/...   /healthz   /metrics   /openapi.json (services/gateway/openapi.py)
 
 With `gateway.admin_port` set, /admin/... is served only on that port (AdminApp, with
 /healthz and /metrics) and is a 404 on the harness port.
 
 The token in the path is the episode's; an API key that is a valid token of another episode
-is refused (403), anything else in it is ignored (SDKs always send some key). Errors are
-answered in the API's own shape: OpenAI's for OpenAI routes, Anthropic's for /v1/messages.
+is refused (403), anything else in it is ignored (SDKs always send some key). Errors are in
+the shape of the API asked: Anthropic's for /v1/messages... and for requests that carry
+`anthropic-version` (every Anthropic SDK sends it), OpenAI's otherwise. Every request is
+one access-log line and one count of `harnessrl_gateway_requests{route,status}`, the route
+being its template (never the token), so a harness that hits a missing route shows.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -24,55 +34,55 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from harnessrl.episode_token import EpisodeClaims, TokenError, verify
 from harnessrl.health import health_body
 from harnessrl.http import Request, Response, StreamingResponse
-from harnessrl.services.gateway import anthropic_api
-from harnessrl.services.gateway.admin import Admin, json_response
-from harnessrl.services.gateway.calls import Forwarder, StreamStart
-from harnessrl.services.gateway.capture import (
-    CHAT,
-    COMPLETIONS,
-    InvalidRequest,
-    check_request,
-    for_harness,
-)
+from harnessrl.logs import get_logger
+from harnessrl.services.gateway.admin import Admin
+from harnessrl.services.gateway.contract import CHAT_PATH, engine_request
 from harnessrl.services.gateway.control import Paused
+from harnessrl.services.gateway.depth import check_depth
+from harnessrl.services.gateway.dialects.base import Dialect
+from harnessrl.services.gateway.dialects.openai_chat import ChatDialect
+from harnessrl.services.gateway.dialects.openai_completions import CompletionsDialect
+from harnessrl.services.gateway.dialects.responses import ResponsesDialect
 from harnessrl.services.gateway.engines import UpstreamError
 from harnessrl.services.gateway.episodes import EpisodeClosedError
+from harnessrl.services.gateway.errors import (
+    ANTHROPIC,
+    OPENAI,
+    ErrorShape,
+    GatewayError,
+    render,
+    respond,
+)
+from harnessrl.services.gateway.lifecycle import Lifecycle
+from harnessrl.services.gateway.models import Models
 from harnessrl.services.gateway.openapi import document_bytes
-from harnessrl.v1 import events_pb2 as pb
 
-_OPENAI_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-}
-_SSE = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
+log = get_logger(__name__)
+
 _CACHE_LIMIT = 100_000
 API_ROUTES = {
-    "/v1/chat/completions": "POST",
-    "/v1/completions": "POST",
-    "/v1/models": "GET",
-    "/v1/messages": "POST",
+    "/v1/chat/completions": ("POST",),
+    "/v1/completions": ("POST",),
+    "/v1/responses": ("POST",),
+    "/v1/responses/{id}": ("GET", "DELETE"),
+    "/v1/responses/{id}/input_items": ("GET",),
+    "/v1/messages": ("POST",),
+    "/v1/messages/count_tokens": ("POST",),
+    "/v1/models": ("GET",),
+    "/v1/models/{id}": ("GET",),
 }
-"""The harness-facing routes and their method (each also under /e/{token}); the OpenAPI
+"""The harness-facing routes and their methods, each also under /e/{token}; the OpenAPI
 document at /openapi.json describes exactly these."""
 
 
-def openai_error(
-    status: int,
-    message: str,
-    param: str | None = None,
-    headers: list[tuple[str, str]] | None = None,
-) -> Response:
-    """A response in OpenAI's error shape."""
-    kind = _OPENAI_TYPES.get(status, "api_error")
-    return json_response(
-        status, {"error": {"message": message, "type": kind, "param": param, "code": None}}, headers
-    )
+def dialects(responses: ResponsesDialect, messages: Dialect) -> dict[str, Dialect]:
+    """The dialect serving each generating route."""
+    return {
+        "/v1/chat/completions": ChatDialect(),
+        "/v1/completions": CompletionsDialect(),
+        "/v1/responses": responses,
+        "/v1/messages": messages,
+    }
 
 
 class GatewayApp:
@@ -80,125 +90,139 @@ class GatewayApp:
 
     def __init__(
         self,
-        forwarder: Forwarder,
+        lifecycle: Lifecycle,
         admin: Admin | None,
         *,
+        dialects: Mapping[str, Dialect],
+        responses: ResponsesDialect,
+        models: Models,
         secrets: Sequence[bytes],
         registry: CollectorRegistry,
         health: Callable[[], dict[str, bool]],
-        models: Callable[[], bytes],
+        max_depth: int,
     ) -> None:
-        self._f = forwarder
+        self._life = lifecycle
         self._admin = admin
+        self._responses = responses
+        self._dialects = dialects
+        self._models = models
         self._secrets = list(secrets)
         self._registry = registry
         self._health = health
-        self._models = models
+        self._max_depth = max_depth
         self._claims: dict[str, EpisodeClaims] = {}
 
     async def __call__(self, request: Request) -> Response | StreamingResponse:
+        started = time.perf_counter()
         path = request.path
+        episode: list[str] = []  # filled once the request is authorized
         if path.startswith("/e/"):
             token, _, rest = path[3:].partition("/")
-            return await self._api(request, "/" + rest, token, path_token=True)
-        if path.startswith("/v1/"):
-            return await self._api(request, path, _api_key(request) or "", path_token=False)
-        if path.startswith("/admin/") and self._admin is not None:
-            return await self._admin.handle(request)
-        if path in ("/healthz", "/metrics"):
-            return _service_route(path, self._health, self._registry)
-        if path == "/openapi.json":
-            return Response(200, [("content-type", "application/json")], document_bytes())
-        return openai_error(404, f"{path}: not found")
+            route = "/" + rest
+            response = await self._api(request, route, token, episode, path_token=True)
+        elif path.startswith("/v1/"):
+            route = path
+            response = await self._api(request, route, _api_key(request) or "", episode)
+        else:
+            route = path if path in ("/healthz", "/metrics", "/openapi.json") else ""
+            if path.startswith("/admin/") and self._admin is not None:
+                route = "/admin/..."
+                response = await self._admin.handle(request)
+            elif path in ("/healthz", "/metrics"):
+                response = _service_route(path, self._health, self._registry)
+            elif path == "/openapi.json":
+                response = Response(200, [("content-type", "application/json")], document_bytes())
+            else:
+                response = render(OPENAI, GatewayError(404, f"{path}: not found"))
+        template = _template(route)
+        self._life.metrics.requests(template, str(response.status)).inc()
+        log.info(
+            "request",
+            method=request.method,
+            route=template,
+            status=response.status,
+            ms=round((time.perf_counter() - started) * 1000, 3),
+            episode_id=episode[0] if episode else None,
+            stream=isinstance(response, StreamingResponse),
+        )
+        return response
 
     async def _api(
-        self, request: Request, route: str, token: str, *, path_token: bool
+        self,
+        request: Request,
+        route: str,
+        token: str,
+        episode: list[str],
+        *,
+        path_token: bool = False,
     ) -> Response | StreamingResponse:
-        anthropic = route == "/v1/messages"
-        error = anthropic_api.error if anthropic else openai_error
-        method = API_ROUTES.get(route)
-        if method is None:
-            return error(404, f"{route}: not found")
+        anthropic = route.startswith("/v1/messages") or "anthropic-version" in request.headers
+        shape: ErrorShape = ANTHROPIC if anthropic else OPENAI
         try:
             claims = self._authorize(token)
             if path_token and (other := _api_key(request)) and other != token:
                 self._check_same_episode(claims, other)
         except TokenError as err:
-            self._f.metrics.refused(err.reason).inc()
+            self._life.metrics.refused(err.reason).inc()
             status = 403 if err.reason == "other_episode" else 401
-            return error(status, str(err))
-        if request.method != method:
-            return error(405, f"{request.method} {route}: method not allowed")
-        if route == "/v1/models":
-            return Response(200, [("content-type", "application/json")], self._models())
+            return render(shape, GatewayError(status, str(err)))
+        episode.append(claims.episode_id)
+        try:
+            return await self._route(request, route, claims, shape)
+        except GatewayError as err:
+            return render(shape, err)
+        except EpisodeClosedError as err:
+            self._life.metrics.refused("closed").inc()
+            return render(shape, GatewayError(409, str(err)))
+        except Paused as err:
+            self._life.metrics.refused("paused" if err.status == 429 else "recovering").inc()
+            headers = [("retry-after", str(err.retry_after_s))]
+            return render(shape, GatewayError(err.status, str(err), headers=headers))
+        except UpstreamError as err:
+            return render(shape, GatewayError(err.status, str(err)))
+
+    async def _route(
+        self, request: Request, route: str, claims: EpisodeClaims, shape: ErrorShape
+    ) -> Response | StreamingResponse:
+        method = request.method
+        if route == "/v1/models" or route.startswith("/v1/models/"):
+            _expect(method, "GET", route)
+            name = route.removeprefix("/v1/models").removeprefix("/")
+            return self._models.answer(name or None, anthropic=shape is ANTHROPIC)
+        if route.startswith("/v1/responses/"):
+            return self._responses.route(method, route.removeprefix("/v1/responses/"), claims)
+        dialect = self._dialects.get(route)
+        if dialect is None and route != "/v1/messages/count_tokens":
+            raise GatewayError(404, f"{route}: not found")
+        _expect(method, "POST", route)
+        body = self._body(request)
+        if dialect is None:
+            return await self._count_tokens(claims, body)
+        return await self._life.serve(dialect, claims, request, body)
+
+    def _body(self, request: Request) -> dict[str, Any]:
         try:
             body = orjson.loads(request.body)
         except orjson.JSONDecodeError as err:
-            return error(400, f"body: not valid JSON ({err})")
+            raise GatewayError(400, f"body: not valid JSON ({err})", "body") from None
         if not isinstance(body, dict):
-            return error(400, "body: must be a JSON object")
-        try:
-            if anthropic:
-                return await anthropic_api.messages(self._f, claims, request, body)
-            kind = CHAT if route == "/v1/chat/completions" else COMPLETIONS
-            check_request(body, kind)
-            return await self._openai(claims, request, kind, route, body)
-        except InvalidRequest as err:
-            return error(400, str(err), err.param)
-        except EpisodeClosedError as err:
-            self._f.metrics.refused("closed").inc()
-            return error(409, str(err))
-        except Paused as err:
-            self._f.metrics.refused("paused" if err.status == 429 else "recovering").inc()
-            return error(err.status, str(err), headers=[("retry-after", str(err.retry_after_s))])
-        except UpstreamError as err:
-            return error(err.status, str(err))
+            raise GatewayError(400, "body: must be a JSON object", "body")
+        check_depth(body, self._max_depth)
+        return body
 
-    async def _openai(
-        self, claims: EpisodeClaims, request: Request, kind: str, route: str, body: dict[str, Any]
-    ) -> Response | StreamingResponse:
-        api = pb.API_OPENAI_CHAT if kind == CHAT else pb.API_OPENAI_COMPLETIONS
-        call = self._f.call(
-            claims,
-            api=api,
-            kind=kind,
-            path=route,
-            body=body,
-            raw=request.body,
-            traceparent=request.headers.get("traceparent"),
+    async def _count_tokens(self, claims: EpisodeClaims, body: dict[str, Any]) -> Response:
+        """Anthropic's token count: the prompt the engine would see for this request, as
+        its own tokenizer and chat template count it."""
+        # Translated as the call would be (server tools left out as there), budget aside.
+        call = self._dialects["/v1/messages"].translate(
+            {"max_tokens": 1, **body, "stream": False}, claims
         )
-        if not call.asked.stream:
-            async with call:
-                upstream = await call.complete()
-            if upstream.data is None:
-                return Response(
-                    upstream.status, [("content-type", "application/json")], upstream.raw
-                )
-            return json_response(200, for_harness(upstream.data, call.asked))
-        await call.__aenter__()
-        chunks = call.chunks()
-        try:
-            start = await anext(chunks)
-            assert isinstance(start, StreamStart)
-            if start.error is not None:
-                await _finish(call, chunks)
-                return json_response(start.status, start.error)
-        except BaseException:
-            await _finish(call, chunks)
-            raise
-
-        async def sse() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in chunks:
-                    assert isinstance(chunk, dict)
-                    yield b"data: " + orjson.dumps(for_harness(chunk, call.asked)) + b"\n\n"
-                yield b"data: [DONE]\n\n"
-            finally:
-                if call.outcome == "error":
-                    call.outcome = "aborted"  # the harness went away mid-stream
-                await _finish(call, chunks)
-
-        return StreamingResponse(200, list(_SSE), sse())
+        life = self._life
+        upstream = engine_request(call.body, CHAT_PATH, life.engines.model, life.settings.val)
+        count = await life.budget.prompt_tokens(upstream, True, claims.episode_id)
+        if count is None:
+            raise GatewayError(502, "the engine cannot count tokens (it serves no /tokenize)")
+        return respond(200, {"input_tokens": count})
 
     def _authorize(self, token: str) -> EpisodeClaims:
         claims = self._claims.get(token)
@@ -247,7 +271,7 @@ class AdminApp:
             return await self._admin.handle(request)
         if path in ("/healthz", "/metrics"):
             return _service_route(path, self._health, self._registry)
-        return openai_error(404, f"{path}: not found (this is the admin port)")
+        return render(OPENAI, GatewayError(404, f"{path}: not found (this is the admin port)"))
 
 
 def _service_route(
@@ -264,9 +288,19 @@ def verify_expiry(claims: EpisodeClaims) -> None:
         raise TokenError("expired", f"episode token: expired for episode {claims.episode_id}")
 
 
-async def _finish(call: Any, chunks: AsyncIterator[Any]) -> None:
-    await chunks.aclose()  # type: ignore[attr-defined]  # an async generator
-    await call.__aexit__(None, None, None)
+def _expect(method: str, allowed: str, route: str) -> None:
+    if method != allowed:
+        raise GatewayError(405, f"{method} {route}: method not allowed")
+
+
+def _template(route: str) -> str:
+    """The route's template for logs and metric labels: a bounded set, never the token."""
+    if route in API_ROUTES or route in ("/healthz", "/metrics", "/openapi.json", "/admin/..."):
+        return route
+    for prefix in ("/v1/models/", "/v1/responses/"):
+        if route.startswith(prefix):
+            return prefix + ("{id}/input_items" if route.endswith("/input_items") else "{id}")
+    return "other"
 
 
 def _api_key(request: Request) -> str | None:

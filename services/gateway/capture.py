@@ -1,10 +1,10 @@
-"""What the gateway asks the engine for, and what it keeps of the answer.
+"""What the gateway keeps of an engine exchange: pure functions, no I/O.
 
-The engine is asked for exact token ids and log-probs (vLLM's `return_token_ids` and
-`logprobs`, never `include_reasoning: false`, which drops ids in vLLM). From its answer the
-gateway keeps, per choice, the prompt and completion ids and the completion log-probs
-(`Completion`), and hands the harness the answer it would have had from the API: vLLM's
-extra fields removed unless the harness asked for them, its own model name restored.
+`take` folds the engine's answer (or each of its stream chunks) into one `Completion` per
+choice: the prompt ids the engine saw, the ids it sampled and their log-probs. `model_calls`
+turns the completions of one harness call into its ModelCall events, one per choice, with
+consecutive sequence numbers from `first_seq`. Whatever dialect the harness spoke, the
+engine answered in OpenAI's chat or completions shape, so this is written once.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from harnessrl.services.gateway.config import SamplingOverrides
+from harnessrl.episode_token import EpisodeClaims
+from harnessrl.v1 import events_pb2 as pb
 
-CHAT, COMPLETIONS = "chat", "completions"
-_EXTRA_TOP = ("prompt_token_ids", "prompt_logprobs", "kv_transfer_params")
+_MODES = {"train": pb.MODE_TRAIN, "val": pb.MODE_VAL}
+FINISH_REASON_CHARS = 64
+"""Longest finish reason kept (the engine's free text; a hostile engine cannot bloat calls)."""
 
 
 @dataclass(slots=True)
@@ -29,114 +31,91 @@ class Completion:
 
 
 @dataclass(frozen=True, slots=True)
-class Asked:
-    """What the harness asked for that changes the answer it gets."""
+class Exchange:
+    """Everything about one answered call that its ModelCalls record, besides the tokens."""
 
+    claims: EpisodeClaims
+    api: int
     model: str
-    token_ids: bool
-    logprobs: bool
+    """The model name the harness asked for."""
     stream: bool
+    policy_version: int
+    engine: str
+    temperature: float
+    top_p: float
+    latency_ms: float
+    started_ns: int
+    trace_id: str
+    span_id: str
+    request_body: bytes = b""
+    """The harness's body, already capped (empty unless body capture is on)."""
+    response_body: bytes = b""
+    bodies_truncated: bool = False
 
 
-class InvalidRequest(ValueError):
-    """A harness request the gateway refuses (400) before the engine sees it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-
-
-def check_request(body: dict[str, Any], kind: str) -> None:
-    """Refuse what the gateway itself reads, when it is not of its type: the engine's own
-    parser is lenient (`"stream": "yes"` streams), and the gateway must read these fields as
-    the engine does. Everything else is the engine's to validate. Raises InvalidRequest."""
-    if not isinstance(body.get("model"), str):
-        raise InvalidRequest("model", "required, a string")
-    for name in ("stream", "return_token_ids"):
-        if not isinstance(body.get(name, False), bool):
-            raise InvalidRequest(name, "must be a boolean")
-    logprobs = body.get("logprobs")
-    if kind == CHAT and not isinstance(logprobs, bool | None):
-        raise InvalidRequest("logprobs", "must be a boolean")
-    if kind == COMPLETIONS and (not isinstance(logprobs, int | None) or isinstance(logprobs, bool)):
-        raise InvalidRequest("logprobs", "must be an integer")
-
-
-def prepare(
-    body: dict[str, Any], kind: str, engine_model: str, overrides: SamplingOverrides
-) -> tuple[dict[str, Any], Asked]:
-    """The engine request for a harness request body (not modified), and what was asked."""
-    asked = Asked(
-        model=str(body.get("model", "")),
-        token_ids=body.get("return_token_ids") is True,
-        logprobs=_asked_logprobs(body, kind),
-        stream=body.get("stream") is True,
-    )
-    upstream = dict(body)
-    upstream["model"] = engine_model
-    upstream["return_token_ids"] = True
-    if kind == CHAT:
-        upstream["logprobs"] = True
-    elif not asked.logprobs:
-        upstream["logprobs"] = 0  # the sampled tokens' log-probs, no alternatives
-    upstream.pop("include_reasoning", None)
-    if overrides.temperature is not None:
-        upstream["temperature"] = overrides.temperature
-    if overrides.top_p is not None:
-        upstream["top_p"] = overrides.top_p
-    for name in overrides.drop:
-        upstream.pop(name, None)
-    return upstream, asked
-
-
-def _asked_logprobs(body: dict[str, Any], kind: str) -> bool:
-    value = body.get("logprobs")
-    if kind == CHAT:
-        return value is True
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def take(data: dict[str, Any], kind: str, completions: dict[int, Completion]) -> None:
-    """Fold an engine response (or one stream chunk) into `completions`, by choice index."""
+def take(data: dict[str, Any], chat: bool, completions: dict[int, Completion]) -> None:
+    """Fold an engine response (or one stream chunk) into `completions`, by choice index;
+    `chat` tells the chat-completions shape from the completions one."""
     top_prompt = data.get("prompt_token_ids")
     for choice in data.get("choices") or ():
-        completion = completions.get(choice.get("index", 0))
+        index = choice.get("index", 0)
+        completion = completions.get(index)
         if completion is None:
-            completion = completions[choice.get("index", 0)] = Completion()
+            completion = completions[index] = Completion()
         prompt = choice.get("prompt_token_ids") or top_prompt
         if prompt and not completion.prompt_ids:
             completion.prompt_ids = prompt
-        completion.ids.extend(choice.get("token_ids") or ())
-        logprobs = choice.get("logprobs")
-        if logprobs:
-            if kind == CHAT:
-                completion.logprobs.extend(e["logprob"] for e in logprobs.get("content") or ())
+        if ids := choice.get("token_ids"):
+            completion.ids += ids
+        if logprobs := choice.get("logprobs"):  # a stream's chunk holds one token, mostly
+            if chat:
+                completion.logprobs += [e["logprob"] for e in logprobs.get("content") or ()]
             else:
-                completion.logprobs.extend(logprobs.get("token_logprobs") or ())
+                completion.logprobs += logprobs.get("token_logprobs") or ()
         if choice.get("finish_reason"):
-            completion.finish_reason = choice["finish_reason"]
+            completion.finish_reason = str(choice["finish_reason"])[:FINISH_REASON_CHARS]
     if top_prompt:  # a first stream chunk may carry the prompt before any choice token
         for completion in completions.values():
             completion.prompt_ids = completion.prompt_ids or top_prompt
 
 
-def for_harness(data: dict[str, Any], asked: Asked) -> dict[str, Any]:
-    """The engine's answer (or chunk) as the API would give it: modified in place. An error
-    event is passed on in OpenAI's shape (vLLM's older flat one is put in it)."""
-    if "error" in data:
-        return data
-    if data.get("object") == "error":
-        keys = ("message", "type", "param", "code")
-        return {"error": {k: data.get(k) for k in keys}}
-    data["model"] = asked.model or data.get("model")
-    if not asked.token_ids:
-        for name in _EXTRA_TOP:
-            data.pop(name, None)
-    for choice in data.get("choices") or ():
-        choice.pop("stop_reason", None)
-        if not asked.token_ids:
-            choice.pop("token_ids", None)
-            choice.pop("prompt_token_ids", None)
-        if not asked.logprobs and "logprobs" in choice:
-            choice["logprobs"] = None
-    return data
+def model_calls(
+    exchange: Exchange, completions: dict[int, Completion], first_seq: int
+) -> list[pb.ModelCall]:
+    """The ModelCall of each choice, in choice order, numbered from `first_seq`."""
+    claims = exchange.claims
+    calls = []
+    for seq, index in enumerate(sorted(completions), start=first_seq):
+        completion = completions[index]
+        call = pb.ModelCall(
+            episode_id=claims.episode_id,
+            attempt=claims.attempt,
+            group_id=claims.group_id,
+            seq=seq,
+            mode=_MODES[claims.mode],
+            api=exchange.api,  # type: ignore[arg-type]  # a pb.Api value
+            model=exchange.model,
+            prompt_token_ids=completion.prompt_ids,
+            completion_token_ids=completion.ids,
+            completion_logprobs=completion.logprobs,
+            policy_version=exchange.policy_version,
+            finish_reason=completion.finish_reason,
+            latency_ms=exchange.latency_ms,
+            stream=exchange.stream,
+            trace_id=exchange.trace_id,
+            span_id=exchange.span_id,
+            engine=exchange.engine,
+            temperature=exchange.temperature,
+            top_p=exchange.top_p,
+            request_body=exchange.request_body,
+            response_body=exchange.response_body,
+            bodies_truncated=exchange.bodies_truncated,
+        )
+        call.started_at.FromNanoseconds(exchange.started_ns)
+        calls.append(call)
+    return calls
+
+
+def aligned(completions: dict[int, Completion]) -> bool:
+    """Whether every choice has one log-prob per token id (an engine bug otherwise)."""
+    return all(len(c.logprobs) == len(c.ids) for c in completions.values())

@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
             config.gateway,
             lambda runtime: GatewayService(config, runtime),
             health_endpoint=False,
+            fast_loop=True,
         )
     except ValueError as err:
         raise CliError(str(err)) from None

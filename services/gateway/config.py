@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr, field_validator
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from harnessrl.config import MiB, Section, ServiceConfig, ServiceSection, real_secret
 
@@ -45,6 +47,11 @@ class GatewaySection(ServiceSection):
     """Bearer token of the admin API (close, pause, resume, drain); required."""
     max_body_bytes: int = Field(default=8 * MiB, ge=1024)
     """Largest request body accepted (413 beyond)."""
+    max_buffered_bytes: int = Field(default=256 * MiB, ge=1024)
+    """Most request-body bytes held at once across the port's connections (bodies arriving,
+    or whose handler has not returned); a body that would pass it gets 503 with Retry-After
+    (the SDKs retry it), so stalled uploads cannot exhaust memory. At least
+    `max_body_bytes`."""
     header_timeout_s: float = Field(default=10.0, gt=0)
     """A request head must arrive within this, however slowly its bytes trickle (408)."""
     body_timeout_s: float = Field(default=30.0, gt=0)
@@ -91,8 +98,35 @@ class GatewaySection(ServiceSection):
     (their next call seq, whether closed); make it longer than any episode token lives."""
     follow_control: bool = True
     """Obey ControlCommand (pause/resume) events on hrl.policy."""
+    max_tokens_policy: Literal["clamp", "reject"] = "clamp"
+    """A completion budget (`max_tokens`, `max_output_tokens`, ...) larger than the room the
+    prompt leaves in the context: lowered to that room (clamp, counted in
+    harnessrl_gateway_max_tokens_clamped) or refused with a 400 naming the field (reject).
+    A prompt that alone fills the context is a 400 either way."""
+    max_model_len: int | None = Field(default=None, ge=1)
+    """Context length of the engines, in tokens (default: the `max_model_len` their
+    /v1/models reports; unknown, budgets are left to the engines)."""
+    unserved_tools: Literal["drop", "reject"] = "drop"
+    """Tools a harness offers that the engine cannot run (OpenAI's hosted web search, file
+    search, code interpreter, ...; Anthropic's server tools): left out of the prompt, the
+    model never seeing them (counted in harnessrl_gateway_tools_dropped), or refused with a
+    400 naming the tool. Codex offers `web_search` by default."""
+    max_json_depth: int = Field(default=64, ge=8, le=200)
+    """Deepest nesting of a request body accepted (400 naming the field beyond)."""
+    responses_store_max: int = Field(default=10_000, ge=0)
+    """Responses kept for `previous_response_id` and GET /v1/responses/{id}, over all
+    episodes of this replica (oldest dropped first; an episode's go when its token expires)."""
 
     _secrets = field_validator("token_secret", "admin_token")(real_secret)
+
+    @model_validator(mode="after")
+    def _budget_holds_a_body(self) -> GatewaySection:
+        if self.max_buffered_bytes < self.max_body_bytes:
+            raise ValueError(
+                "max_buffered_bytes: must be at least max_body_bytes "
+                f"({self.max_buffered_bytes} < {self.max_body_bytes})"
+            )
+        return self
 
     @field_validator("previous_token_secrets")
     @classmethod

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from harnessrl.metrics import Labelled
 
@@ -26,6 +28,27 @@ class GatewayMetrics:
                 "Time from a call's arrival to its last byte.",
                 ["kind"],
                 buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
+                registry=r,
+            )
+        )
+        self.requests = Labelled(
+            Counter(
+                "harnessrl_gateway_requests",
+                "Requests on the harness port by route template and HTTP status.",
+                ["route", "status"],
+                registry=r,
+            )
+        )
+        self.clamped = Counter(
+            "harnessrl_gateway_max_tokens_clamped",
+            "Calls whose completion budget was lowered to the room their prompt left.",
+            registry=r,
+        )
+        self.tools_dropped = Labelled(
+            Counter(
+                "harnessrl_gateway_tools_dropped",
+                "Tools offered by a harness that the engine cannot run, left out, by type.",
+                ["type"],
                 registry=r,
             )
         )
@@ -73,3 +96,30 @@ class GatewayMetrics:
         self.episodes.set_function(episodes)
         self.in_flight.set_function(in_flight)
         self.paused.set_function(paused)
+
+
+class ServerBudgets:
+    """The HTTP servers' request-body budgets, read at scrape time: bytes held now
+    (`harnessrl_gateway_http_buffered_body_bytes{port}`) and bodies refused with 503 for
+    want of room (`harnessrl_gateway_http_body_budget_refusals_total{port}`)."""
+
+    def __init__(self, servers: Callable[[], Mapping[str, Any]]) -> None:
+        self._servers = servers  # port name -> HttpServer (or None before it started)
+
+    def collect(self) -> Iterator[Metric]:
+        held = GaugeMetricFamily(
+            "harnessrl_gateway_http_buffered_body_bytes",
+            "Request-body bytes held across the port's connections.",
+            labels=["port"],
+        )
+        refused = CounterMetricFamily(
+            "harnessrl_gateway_http_body_budget_refusals",
+            "Request bodies refused (503) because the port's buffered-bytes budget was full.",
+            labels=["port"],
+        )
+        for name, server in self._servers().items():
+            if server is not None:
+                held.add_metric([name], server.buffered_bytes)
+                refused.add_metric([name], server.budget_refusals)
+        yield held
+        yield refused

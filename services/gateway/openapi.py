@@ -5,7 +5,11 @@ on it (tests/integration/test_fuzz_gateway.py sends it schema-violating requests
 each refused):
 
 - `/v1/messages`: the schema of the model that validates the request
-  (`anthropic_models.MessagesRequest`), generated, so it cannot drift from it.
+  (`anthropic_models.MessagesRequest`), generated, so it cannot drift from it;
+  `/v1/messages/count_tokens` the same without `max_tokens`.
+- `/v1/responses`: the fields whose type the Responses dialect checks itself
+  (dialects/responses_request.py checks the items, tools and tool choice in detail, each
+  refusal naming its field).
 - `/v1/chat/completions`, `/v1/completions`: the fields the gateway reads itself (`model`,
   `stream`, `return_token_ids`, `logprobs`: `capture.check_request`) and the request's shape
   that any engine behind it enforces. Every other field goes to the engine as it was sent
@@ -24,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from harnessrl.services.gateway.anthropic_models import MessagesRequest
+from harnessrl.services.gateway.dialects.anthropic_models import MessagesRequest
 
 _REF = "#/components/schemas/{model}"
 _OPENAI_ERRORS = {
@@ -95,6 +99,24 @@ _COMPLETION = {
         "logprobs": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}]},
     },
 }
+_RESPONSES = {
+    "type": "object",
+    "required": ["model"],
+    "properties": {
+        "model": _COMMON["model"],
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "instructions": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "stream": {"type": "boolean"},
+        "store": {"type": "boolean"},
+        "previous_response_id": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "max_output_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]},
+        "tools": {"type": "array", "items": {"type": "object", "required": ["type"]}},
+        "parallel_tool_calls": {"type": "boolean"},
+        "temperature": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+        "top_p": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+    },
+}
+_ID = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}]
 _OPENAI_ERROR = {
     "type": "object",
     "required": ["error"],
@@ -143,10 +165,21 @@ def _generate(name: str, summary: str) -> dict[str, Any]:
     }
 
 
+def _get(summary: str, errors: dict[str, Any], *, path_id: bool = False) -> dict[str, Any]:
+    operation: dict[str, Any] = {
+        "summary": summary,
+        "responses": {"200": {"description": summary, "content": _json({})}, **errors},
+    }
+    if path_id:
+        operation["parameters"] = _ID
+    return operation
+
+
 def document() -> dict[str, Any]:
     """The document (a fresh dict)."""
     messages = MessagesRequest.model_json_schema(ref_template=_REF)
     defs = messages.pop("$defs", {})
+    count = {**messages, "required": [r for r in messages["required"] if r != "max_tokens"]}
     anthropic_errors = {
         "4XX": {"$ref": "#/components/responses/AnthropicError"},
         "5XX": {"$ref": "#/components/responses/AnthropicError"},
@@ -167,14 +200,19 @@ def document() -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": _generate("ChatCompletionRequest", "OpenAI chat completion"),
             "/v1/completions": _generate("CompletionRequest", "OpenAI completion"),
-            "/v1/models": {
-                "get": {
-                    "summary": "The model served, as the engine lists it",
-                    "responses": {
-                        "200": {"description": "Model list", "content": _json({})},
-                        **_OPENAI_ERRORS,
-                    },
-                }
+            "/v1/responses": _generate("ResponsesRequest", "OpenAI response (Responses API)"),
+            "/v1/responses/{id}": {
+                "get": _get("A response the episode stored", _OPENAI_ERRORS, path_id=True),
+                "delete": _get("Delete a stored response", _OPENAI_ERRORS, path_id=True),
+            },
+            "/v1/responses/{id}/input_items": {
+                "get": _get("A stored response's input items", _OPENAI_ERRORS, path_id=True)
+            },
+            "/v1/models": {"get": _get("The model served", _OPENAI_ERRORS)},
+            "/v1/models/{id}": {
+                "get": _get(
+                    "Any model name: answered under that name", _OPENAI_ERRORS, path_id=True
+                )
             },
             "/v1/messages": {
                 "post": {
@@ -189,6 +227,19 @@ def document() -> dict[str, Any]:
                     },
                 }
             },
+            "/v1/messages/count_tokens": {
+                "post": {
+                    "summary": "Anthropic token count, by the engine's tokenizer and template",
+                    "requestBody": {
+                        "required": True,
+                        "content": _json({"$ref": _REF.format(model="CountTokensRequest")}),
+                    },
+                    "responses": {
+                        "200": {"description": "input_tokens", "content": _json({})},
+                        **anthropic_errors,
+                    },
+                }
+            },
         },
         "components": {
             "securitySchemes": {
@@ -198,7 +249,9 @@ def document() -> dict[str, Any]:
             "schemas": {
                 "ChatCompletionRequest": _CHAT,
                 "CompletionRequest": _COMPLETION,
+                "ResponsesRequest": _RESPONSES,
                 "MessagesRequest": messages,
+                "CountTokensRequest": count,
                 **defs,
                 "OpenAIErrorBody": _OPENAI_ERROR,
                 "AnthropicErrorBody": _ANTHROPIC_ERROR,

@@ -15,15 +15,20 @@ from harnessrl.http import HttpServer, Response
 from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, retry
 from harnessrl.runtime import Runtime
-from harnessrl.services.gateway import anthropic_api
 from harnessrl.services.gateway.admin import Admin
-from harnessrl.services.gateway.app import AdminApp, GatewayApp, openai_error
-from harnessrl.services.gateway.calls import Forwarder
+from harnessrl.services.gateway.app import AdminApp, GatewayApp, dialects
+from harnessrl.services.gateway.budget import Budget, context_of
 from harnessrl.services.gateway.config import GatewayConfig
 from harnessrl.services.gateway.control import Gate
+from harnessrl.services.gateway.dialects.anthropic import MessagesDialect
+from harnessrl.services.gateway.dialects.responses import ResponsesDialect
+from harnessrl.services.gateway.dialects.responses_store import ResponseStore
 from harnessrl.services.gateway.engines import EnginePool
 from harnessrl.services.gateway.episodes import EpisodeBook
-from harnessrl.services.gateway.metrics import GatewayMetrics
+from harnessrl.services.gateway.errors import ANTHROPIC, OPENAI, GatewayError, render
+from harnessrl.services.gateway.lifecycle import Admission, Engines, Lifecycle
+from harnessrl.services.gateway.metrics import GatewayMetrics, ServerBudgets
+from harnessrl.services.gateway.models import Models
 from harnessrl.services.gateway.recovery import recover
 from harnessrl.services.gateway.versions import EngineVersions
 from harnessrl.v1 import events_pb2 as pb
@@ -60,6 +65,8 @@ class GatewayService:
             status=503,
         )
         self.versions = EngineVersions()
+        self.responses = ResponseStore(section.responses_store_max)
+        """The responses episodes stored (Responses API `store`)."""
 
     @property
     def port(self) -> int:
@@ -78,6 +85,9 @@ class GatewayService:
             lambda: len(self.book), lambda: self.book.in_flight, lambda: float(self.gate.paused)
         )
         bus_metrics = BusMetrics(runtime.registry)
+        runtime.registry.register(
+            ServerBudgets(lambda: {"harness": self.server, "admin": self.admin_server})
+        )
         async with AsyncExitStack() as stack:
             producer_settings = config.producer
             if section.capture_wal:
@@ -96,18 +106,20 @@ class GatewayService:
                 attempts=section.upstream_attempts,
             )
             stack.push_async_callback(pool.close)
-            engine_model, models = await self._discover(pool)
-            forwarder = Forwarder(
+            engine_model, listing = await self._discover(pool)
+            context = section.max_model_len
+            if context is None and listing is not None:
+                context = context_of(orjson.dumps(listing))
+            lifecycle = Lifecycle(
                 section,
-                pool=pool,
-                book=self.book,
-                gate=self.gate,
+                admission=Admission(self.book, self.gate, self.recovery),
+                engines=Engines(pool, model=engine_model, versions=self.versions),
+                budget=Budget(
+                    pool, policy=section.max_tokens_policy, context=context, metrics=metrics
+                ),
                 producer=producer,
                 metrics=metrics,
                 tracer=runtime.tracer_provider.get_tracer("harnessrl.gateway"),
-                engine_model=engine_model,
-                versions=self.versions,
-                recovery=self.recovery,
             )
             admin = Admin(
                 token=section.admin_token.get_secret_value().encode(),
@@ -126,13 +138,24 @@ class GatewayService:
                 for s in [section.token_secret, *section.previous_token_secrets]
             ]
             separate = section.admin_port is not None
+            drop = section.unserved_tools == "drop"
+
+            def dropped(kind: str) -> None:
+                metrics.tools_dropped(kind[:64]).inc()
+
+            responses = ResponsesDialect(self.responses, drop_unserved=drop, on_dropped=dropped)
             app = GatewayApp(
-                forwarder,
+                lifecycle,
                 None if separate else admin,
+                dialects=dialects(
+                    responses, MessagesDialect(drop_unserved=drop, on_dropped=dropped)
+                ),
+                responses=responses,
+                models=Models(engine_model, listing),
                 secrets=secrets,
                 registry=runtime.registry,
                 health=self.health,
-                models=lambda: models,
+                max_depth=section.max_json_depth,
             )
             self.server = await self._serve(app, section.host, section.port, stack)
             if separate:
@@ -176,6 +199,7 @@ class GatewayService:
             host=host,
             port=port,
             max_body_bytes=section.max_body_bytes,
+            max_buffered_bytes=section.max_buffered_bytes,
             header_timeout_s=section.header_timeout_s,
             body_timeout_s=section.body_timeout_s,
             keepalive_timeout_s=section.keepalive_timeout_s,
@@ -196,18 +220,12 @@ class GatewayService:
     def _background(self, coroutine: Any, name: str) -> None:
         self._tasks.append(asyncio.create_task(coroutine, name=name))
 
-    async def _discover(self, pool: EnginePool) -> tuple[str, bytes]:
-        """(model to ask the engines for, the /v1/models answer harnesses get). With
+    async def _discover(self, pool: EnginePool) -> tuple[str, dict[str, Any] | None]:
+        """(model to ask the engines for, their /v1/models answer). With
         gateway.engine_model set, no engine needs to answer for the gateway to start."""
         configured = self._config.gateway.engine_model
         if configured:
-            listing = {
-                "object": "list",
-                "data": [
-                    {"id": configured, "object": "model", "created": 0, "owned_by": "harnessrl"}
-                ],
-            }
-            return configured, orjson.dumps(listing)
+            return configured, None
 
         async def ask() -> bytes:
             response = await pool.get("/v1/models")
@@ -216,7 +234,8 @@ class GatewayService:
             return response.body
 
         body = await retry(ask, backoff=Backoff(0.2, 2.0), max_attempts=60)
-        return str(orjson.loads(body)["data"][0]["id"]), body
+        listing = orjson.loads(body)
+        return str(listing["data"][0]["id"]), listing
 
     async def _topics(self) -> None:
         if self._config.kafka.create_topics:
@@ -238,6 +257,7 @@ class GatewayService:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             self.book.sweep()
+            self.responses.sweep()
             admin.sweep()
 
     def _follow_policy(
@@ -300,7 +320,6 @@ class GatewayService:
 
 def _error_response(status: int, message: str, path: str = "") -> Response:
     """Errors the HTTP layer answers itself (malformed, too large, too slow), in the shape of
-    the route's API: Anthropic's for /v1/messages, else OpenAI's."""
-    if path.endswith("/v1/messages"):
-        return anthropic_api.error(status, message)
-    return openai_error(status, message)
+    the route's API: Anthropic's for /v1/messages..., else OpenAI's."""
+    shape = ANTHROPIC if "/v1/messages" in path else OPENAI
+    return render(shape, GatewayError(status, message))

@@ -1,12 +1,13 @@
 """The engine's HTTP API: OpenAI's routes in vLLM's dialect.
 
 `/v1/chat/completions` and `/v1/completions`, streamed (SSE) or not, plus `/v1/models`,
-`/healthz` and `/metrics`. With `return_token_ids: true` responses carry vLLM's extra
-fields: `prompt_token_ids` (chat: top level and in the first stream chunk; completions: per
-choice) and per-choice `token_ids` (in every stream chunk, even when a tool call holds the
-text back). Log-probs are those of the distribution each token was sampled from, after
-temperature and top-p (vLLM's processed log-probs); the trainer relies on this. Every
-response carries the policy version that served it in the `x-policy-version` header.
+vLLM's `/tokenize` (services/inference/tokenization.py), `/healthz` and `/metrics`. With
+`return_token_ids: true` responses carry vLLM's extra fields: `prompt_token_ids` (chat: top
+level and in the first stream chunk; completions: per choice) and per-choice `token_ids` (in
+every stream chunk, even when a tool call holds the text back). Log-probs are those of the
+distribution each token was sampled from, after temperature and top-p (vLLM's processed
+log-probs); the trainer relies on this. Every response carries the policy version that
+served it in the `x-policy-version` header.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ from harnessrl.services.inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
+    TokenizeRequest,
 )
+from harnessrl.services.inference.tokenization import RESPONSES as TOKENIZE_RESPONSES
+from harnessrl.services.inference.tokenization import tokenize
 
 VERSION_HEADER = "x-policy-version"
 # What the OpenAPI document says the generating routes answer: JSON, or an SSE stream when
@@ -103,6 +107,11 @@ def create_app(
     async def completions(body: CompletionRequest) -> Response:
         return await api.completions(body)
 
+    @app.post("/tokenize", responses=TOKENIZE_RESPONSES)
+    async def tokenize_prompt(body: TokenizeRequest) -> Response:
+        api.check_model(body.model)
+        return _Json(tokenize(codec, body, max_model_len=engine.max_model_len))
+
     @app.get("/healthz", responses={503: {"description": "A component is not healthy"}})
     async def healthz() -> Response:
         status, body = health_body(health())
@@ -129,7 +138,7 @@ class _Api:
     # -- chat --------------------------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest) -> Response:
-        self._check_model(body.model)
+        self.check_model(body.model)
         prompt = self.codec.chat_prompt(body.template_messages(), body.template_tools())
         limit = self._token_limit(len(prompt), body.token_limit, "messages")
         tools = body.template_tools() is not None
@@ -262,7 +271,7 @@ class _Api:
     # -- completions -------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest) -> Response:
-        self._check_model(body.model)
+        self.check_model(body.model)
         prompts = [p if isinstance(p, list) else self.codec.encode(p) for p in body.prompts()]
         for ids in prompts:
             if any(not 0 <= i < self.codec.vocab_size for i in ids):
@@ -365,8 +374,10 @@ class _Api:
 
     # -- shared ------------------------------------------------------------------------------
 
-    def _check_model(self, model: str) -> None:
-        if model not in self.names:
+    def check_model(self, model: str | None) -> None:
+        """Raises ApiError(404) unless `model` is a served name (None: the default, as
+        vLLM's `/tokenize` takes it)."""
+        if model is not None and model not in self.names:
             raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     def _token_limit(self, prompt_len: int, asked: int | None, param: str) -> int:

@@ -7,9 +7,17 @@ ignored, since an RL harness that relies on them would otherwise train on someth
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 from harnessrl.services.inference.sampling import SamplingParams
 
@@ -147,10 +155,32 @@ class _Sampling(_Lenient):
         return SamplingParams(self.temperature, self.top_p, max_tokens, self.stops(), seed)
 
 
-class ChatCompletionRequest(_Sampling):
+class _Conversation(_Lenient):
+    """A conversation the chat template renders: what chat completions and the chat form of
+    `/tokenize` share, so that both build the same prompt from the same fields."""
+
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template reads them (dicts, `developer` as `system`)."""
+        messages = []
+        for m in self.messages:
+            data = m.model_dump(exclude_none=True)
+            if data["role"] == "developer":
+                data["role"] = "system"
+            messages.append(data)
+        return messages
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """Tools as the chat template reads them; none when `tool_choice` is "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+class ChatCompletionRequest(_Conversation, _Sampling):
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -167,21 +197,6 @@ class ChatCompletionRequest(_Sampling):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as the chat template reads them (dicts, `developer` as `system`)."""
-        messages = []
-        for m in self.messages:
-            data = m.model_dump(exclude_none=True)
-            if data["role"] == "developer":
-                data["role"] = "system"
-            messages.append(data)
-        return messages
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        if not self.tools or self.tool_choice == "none":
-            return None
-        return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
 class CompletionRequest(_Sampling):
@@ -222,6 +237,70 @@ class CompletionRequest(_Sampling):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         return list(p)  # type: ignore[arg-type]  # list[str] | list[list[int]]
+
+
+class TokenizeCompletionRequest(_Lenient):
+    """`/tokenize`'s completion form: the ids of `prompt` as `/v1/completions` encodes it."""
+
+    model: str | None = None
+    prompt: str
+    # False, not vLLM's True: this engine's completions encode prompts without special
+    # tokens, and the count must be the one a completion is served with.
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Conversation):
+    """`/tokenize`'s chat form: the prompt ids chat completions build for the same messages,
+    tools and tool choice (their `prompt_token_ids`), given the defaults below."""
+
+    model: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+    @model_validator(mode="after")
+    def _one_ending(self) -> TokenizeChatRequest:
+        if self.continue_final_message:
+            if "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt:
+                raise ValueError(
+                    "continue_final_message: cannot be true with add_generation_prompt true"
+                )
+            self.add_generation_prompt = False  # continuing a message starts no new one
+        return self
+
+
+def _tokenize_form(data: Any) -> str | None:
+    """The form of a `/tokenize` body: the field it carries (None: neither, or both)."""
+    if not isinstance(data, dict):
+        return "chat"  # the chat form's own error: the body must be an object
+    forms = [
+        form for form, field in (("chat", "messages"), ("completion", "prompt")) if field in data
+    ]
+    return forms[0] if len(forms) == 1 else None
+
+
+TokenizeRequest = Annotated[
+    Annotated[TokenizeChatRequest, Tag("chat")]
+    | Annotated[TokenizeCompletionRequest, Tag("completion")],
+    Discriminator(
+        _tokenize_form,
+        custom_error_type="tokenize_form",
+        custom_error_message="needs exactly one of `messages` (the chat form) or `prompt` "
+        "(the completion form)",
+    ),
+]
+
+
+class TokenizeResponse(BaseModel):
+    """What `/tokenize` answers, as vLLM does; `token_strs` only when asked for."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 def _token_ids(value: Any) -> bool:

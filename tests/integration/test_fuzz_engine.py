@@ -52,8 +52,9 @@ async def test_no_generated_request_gets_a_5xx_and_every_error_is_openai_shaped(
                 json={"model": served, "prompt": "1 + 1 =", "max_tokens": 4},
             )
             assert answer.status_code == 200, answer.text
-        generating = [k for k in seen if k.startswith("POST") and k.endswith(" 200")]
+        generating = [k for k in seen if k.startswith("POST /v1/") and k.endswith(" 200")]
         assert len(generating) == 2, f"no valid request reached generation:\n{summary(seen)}"
+        assert seen["POST /tokenize 200"], f"no valid request was tokenized:\n{summary(seen)}"
     finally:
         await service.stop()
         await task

@@ -438,7 +438,7 @@ async def test_oversized_bodies_and_heads_are_refused_before_anything_is_forward
     for data in (big_head, many_heads):
         status, body, closed = await exchange(stack, data)
         assert (status, closed) == (431, True)
-        assert orjson.loads(body)["error"]["type"] == "api_error"
+        assert orjson.loads(body)["error"]["type"] == "invalid_request_error"  # a 4xx
     async with httpx.AsyncClient(base_url=stack.gateway_url) as http:
         assert (await http.post(route, json=CHAT)).status_code == 200
     await close_and_check(stack, {("ep-big", 1): 2})

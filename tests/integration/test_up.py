@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import sys
 from pathlib import Path
@@ -15,49 +14,12 @@ import pytest
 
 from harnessrl import events
 from tests.helpers import eventually, read_topic, topic_size
+from tests.integration.up_process import SERVICES, start_up
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "examples" / "tasks" / "sample.jsonl"
-SERVICES = ["broker", "inference", "gateway", "reward", "sample-builder", "trainer", "controller"]
-
-
-class Up:
-    """The running `harnessrl up` process and the lines it printed so far."""
-
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self.process = process
-        self.lines: list[str] = []
-        self._reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        assert self.process.stdout is not None
-        while line := await self.process.stdout.readline():
-            self.lines.append(line.decode(errors="replace").rstrip("\n"))
-
-    async def table(self, timeout: float) -> dict[str, tuple[int, str, str]]:
-        """Wait for the ready table; service -> (pid, listens, health URL)."""
-
-        async def printed() -> bool:
-            if self.process.returncode is not None:
-                pytest.fail("harnessrl up exited early:\n" + "\n".join(self.lines[-60:]))
-            return any(line.startswith("harnessrl up: ready") for line in self.lines)
-
-        await eventually(printed, timeout=timeout, interval=0.2)
-        start = next(i for i, line in enumerate(self.lines) if line.startswith("harnessrl up:"))
-        rows: dict[str, tuple[int, str, str]] = {}
-        for line in self.lines[start + 2 :]:
-            parts = line.split()
-            if not line.startswith("  ") or parts[0] not in SERVICES:
-                break
-            rows[parts[0]] = (int(parts[1]), " ".join(parts[2:-1]), parts[-1])
-        return rows
-
-    async def finish(self, timeout: float) -> int:
-        code = await asyncio.wait_for(self.process.wait(), timeout)
-        await self._reader
-        return code
 
 
 def _alive(pid: int) -> bool:
@@ -98,21 +60,8 @@ async def _finished_episodes(bootstrap: str) -> list[object]:
 async def test_up_starts_every_service_runs_an_episode_and_stops_cleanly_on_ctrl_c(
     tmp_path: Path,
 ) -> None:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "harnessrl",
-        "up",
-        "--config",
-        "examples/up.yaml",
-        "--workdir",
-        str(tmp_path / "up"),
-        cwd=ROOT,
-        env={**os.environ, "NO_COLOR": "1"},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    up = Up(process)
+    up = await start_up(tmp_path / "up")
+    process = up.process
     try:
         table = await up.table(timeout=120)
         assert list(table) == SERVICES

@@ -16,6 +16,7 @@ from typing import Any
 
 import anthropic
 import httpx2
+import orjson
 import pydantic
 import pytest
 from anthropic.types import (
@@ -28,17 +29,19 @@ from anthropic.types import (
 )
 from anthropic.types.shared import ErrorResponse
 
-from harnessrl.services.gateway.anthropic import (
-    RAW_ARGUMENTS_KEY,
+from harnessrl.services.gateway.dialects.anthropic_request import (
     TOOL_ERROR_PREFIX,
-    AnthropicError,
     ChatRequest,
+    messages_to_chat,
+)
+from harnessrl.services.gateway.dialects.anthropic_response import (
+    RAW_ARGUMENTS_KEY,
     MessageStream,
     chat_error_to_anthropic,
     chat_to_message,
     encode_sse,
-    messages_to_chat,
 )
+from harnessrl.services.gateway.errors import ANTHROPIC, GatewayError, render_engine
 from harnessrl.services.inference.protocol import ChatCompletionRequest
 
 MODEL = "claude-sonnet-4-6"
@@ -502,7 +505,7 @@ def _user(*content: Any) -> list[dict[str, Any]]:
             ),
             "messages.2.content.0.content.0.type: 'image' is not supported by this engine",
         ),
-        (_with(top_k=40), "top_k: not supported by this engine"),
+        (_with(top_k=-1), "top_k: Input should be greater than or equal to 0"),
         (
             _with(output_config={"format": {"type": "json_schema", "schema": {}}}),
             "output_config.format: structured output is not supported by this engine",
@@ -583,35 +586,46 @@ def _user(*content: Any) -> list[dict[str, Any]]:
     ],
 )
 def test_refusals_name_the_field_and_the_reason(body: dict[str, Any], message: str) -> None:
-    with pytest.raises(AnthropicError) as caught:
+    with pytest.raises(GatewayError) as caught:
         messages_to_chat(body)
-    assert caught.value.status == 400
-    assert caught.value.message.startswith(message), caught.value.message
-    assert caught.value.body() == {
+    err = caught.value
+    assert err.status == 400
+    assert str(err).startswith(message), str(err)
+    assert ANTHROPIC.body(err.status, str(err), err.param, err.code) == {
         "type": "error",
-        "error": {"type": "invalid_request_error", "message": caught.value.message},
+        "error": {"type": "invalid_request_error", "message": str(err)},
     }
 
 
 def test_a_body_that_is_not_an_object_is_refused() -> None:
-    with pytest.raises(AnthropicError, match="the request body must be a JSON object"):
+    with pytest.raises(GatewayError, match="the request body must be a JSON object"):
         messages_to_chat([BASE])
+
+
+def test_top_k_is_passed_to_the_engine() -> None:
+    chat = translated(messages=USER, extra_body={"top_k": 40})
+    assert chat.body["top_k"] == 40
+    assert "top_k" not in translated(messages=USER).body
 
 
 def test_a_refusal_reaches_the_sdk_as_a_bad_request() -> None:
     def handler(request: httpx2.Request) -> httpx2.Response:
         try:
             messages_to_chat(json.loads(request.content))
-        except AnthropicError as err:
-            return httpx2.Response(err.status, json=err.body())
+        except GatewayError as err:
+            body = ANTHROPIC.body(err.status, str(err), err.param, err.code)
+            return httpx2.Response(err.status, json=body)
         raise AssertionError("the request should have been refused")
 
+    structured = {"output_config": {"format": {"type": "json_schema", "schema": {}}}}
     with pytest.raises(anthropic.BadRequestError) as caught:
         client(handler).messages.create(
-            model=MODEL, max_tokens=8, messages=USER, extra_body={"top_k": 5}
+            model=MODEL, max_tokens=8, messages=USER, extra_body=structured
         )
     assert caught.value.type == "invalid_request_error"
-    assert caught.value.api_message == "top_k: not supported by this engine"
+    assert caught.value.api_message == (
+        "output_config.format: structured output is not supported by this engine"
+    )
     ErrorResponse.model_validate(caught.value.body)
 
 
@@ -1031,10 +1045,16 @@ def test_engine_error_messages_in_other_shapes_are_kept() -> None:
         chat_error_to_anthropic(422, {"detail": "unprocessable"})[1]["error"]["message"]
         == "unprocessable"
     )
-    assert chat_error_to_anthropic(502, "<html>bad gateway</html>")[1]["error"] == {
-        "type": "api_error",
-        "message": "the engine answered HTTP 502",
-    }
+    generic = {"type": "api_error", "message": "the engine answered HTTP 502"}
+    for body in (None, "", [1, 2], {"error": 5}):
+        assert chat_error_to_anthropic(502, body)[1]["error"] == generic
+    # A body that is not JSON is its own message (render_engine hands it over as text).
+    answer = render_engine(ANTHROPIC, 502, b"<html>bad gateway</html>")
+    assert (answer.status, orjson.loads(answer.body)) == (
+        502,
+        {"type": "error", "error": {"type": "api_error", "message": "<html>bad gateway</html>"}},
+    )
+    assert orjson.loads(render_engine(ANTHROPIC, 502, b"").body)["error"] == generic
 
 
 def test_a_context_length_error_reads_as_a_prompt_too_long() -> None:

@@ -12,16 +12,13 @@ from prometheus_client import CollectorRegistry
 from harnessrl.episode_token import EpisodeClaims
 from harnessrl.http import Request
 from harnessrl.services.gateway.admin import Admin
-from harnessrl.services.gateway.capture import (
-    CHAT,
-    COMPLETIONS,
-    Completion,
-    for_harness,
-    prepare,
-    take,
-)
+from harnessrl.services.gateway.capture import Completion, take
 from harnessrl.services.gateway.config import SamplingOverrides
+from harnessrl.services.gateway.contract import CHAT_PATH, COMPLETIONS_PATH, engine_request
 from harnessrl.services.gateway.control import Gate, Paused
+from harnessrl.services.gateway.dialects.openai_chat import ChatDialect
+from harnessrl.services.gateway.dialects.openai_completions import CompletionsDialect
+from harnessrl.services.gateway.dialects.openai_passthrough import Passthrough
 from harnessrl.services.gateway.episodes import EpisodeBook, EpisodeClosedError
 from harnessrl.services.gateway.metrics import GatewayMetrics
 
@@ -30,23 +27,26 @@ CLAIMS = EpisodeClaims("ep", 1, "g", "train", time.time() + 86_400)
 
 def test_the_engine_is_asked_for_ids_and_logprobs_with_the_mode_sampling() -> None:
     body = {"model": "gpt-4o", "messages": [], "temperature": 0.2, "include_reasoning": False}
-    upstream, asked = prepare(
-        body, CHAT, "tiny-model", SamplingOverrides(temperature=1.0, top_p=1.0)
+    upstream = engine_request(
+        body, CHAT_PATH, "tiny-model", SamplingOverrides(temperature=1.0, top_p=1.0)
     )
     assert upstream["model"] == "tiny-model"
     assert upstream["return_token_ids"] is True and upstream["logprobs"] is True
     assert upstream["temperature"] == 1.0 and upstream["top_p"] == 1.0
     assert "include_reasoning" not in upstream  # vLLM drops token ids with it
     assert body["temperature"] == 0.2  # the harness's body is left alone
-    assert asked.model == "gpt-4o" and not asked.logprobs and not asked.token_ids
-    kept, _ = prepare(body, CHAT, "tiny-model", SamplingOverrides())
+    asked = ChatDialect().translate(body, CLAIMS)
+    assert asked.model == "gpt-4o" and asked.renderer == Passthrough("gpt-4o", False, False)
+    kept = engine_request(body, CHAT_PATH, "tiny-model", SamplingOverrides())
     assert kept["temperature"] == 0.2
-    completion, asked = prepare(
-        {"prompt": "x", "logprobs": 2}, COMPLETIONS, "m", SamplingOverrides()
-    )
-    assert completion["logprobs"] == 2 and asked.logprobs
-    completion, asked = prepare({"prompt": "x"}, COMPLETIONS, "m", SamplingOverrides())
-    assert completion["logprobs"] == 0 and not asked.logprobs
+    body = {"model": "m", "prompt": "x", "logprobs": 2}
+    completion = engine_request(body, COMPLETIONS_PATH, "m", SamplingOverrides())
+    asked = CompletionsDialect().translate(body, CLAIMS)
+    assert completion["logprobs"] == 2 and asked.renderer == Passthrough("m", False, True)
+    body = {"model": "m", "prompt": "x"}
+    completion = engine_request(body, COMPLETIONS_PATH, "m", SamplingOverrides())
+    asked = CompletionsDialect().translate(body, CLAIMS)
+    assert completion["logprobs"] == 0 and asked.renderer == Passthrough("m", False, False)
 
 
 def test_train_calls_sample_the_policys_own_distribution() -> None:
@@ -55,12 +55,12 @@ def test_train_calls_sample_the_policys_own_distribution() -> None:
     body = {"model": "m", "messages": [], "top_k": 5, "logit_bias": {"7": 100}, "seed": 3}
     body |= {"presence_penalty": 1.0, "min_p": 0.1, "repetition_penalty": 1.3, "stop": ["x"]}
     section = GatewaySection()
-    train, _ = prepare(body, CHAT, "tiny", section.train)
+    train = engine_request(body, CHAT_PATH, "tiny", section.train)
     assert train["temperature"] == 1.0 and train["top_p"] == 1.0
     assert not {"top_k", "logit_bias", "presence_penalty", "min_p"} & set(train)
     assert "repetition_penalty" not in train
     assert train["seed"] == 3 and train["stop"] == ["x"]  # not the distribution: kept
-    val, _ = prepare(body, CHAT, "tiny", section.val)  # val: the harness's own settings
+    val = engine_request(body, CHAT_PATH, "tiny", section.val)  # val: the harness's own settings
     assert val["top_k"] == 5 and val["logit_bias"] == {"7": 100}
 
 
@@ -71,8 +71,8 @@ def test_stream_chunks_fold_into_per_choice_completions() -> None:
             "prompt_token_ids": [1, 2, 3],
             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
         },
-        CHAT,
-        completions,
+        chat=True,
+        completions=completions,
     )
     for token, lp in ((7, -0.5), (8, -1.5)):
         take(
@@ -86,8 +86,8 @@ def test_stream_chunks_fold_into_per_choice_completions() -> None:
                     }
                 ]
             },
-            CHAT,
-            completions,
+            chat=True,
+            completions=completions,
         )
     take(
         {
@@ -101,8 +101,8 @@ def test_stream_chunks_fold_into_per_choice_completions() -> None:
                 }
             ]
         },
-        CHAT,
-        completions,
+        chat=True,
+        completions=completions,
     )
     assert completions[0] == Completion([1, 2, 3], [7, 8, 9], [-0.5, -1.5, -0.1], "stop")
 
@@ -130,14 +130,15 @@ def test_completions_fold_per_choice_prompts() -> None:
                 },
             ]
         },
-        COMPLETIONS,
-        completions,
+        chat=False,
+        completions=completions,
     )
     assert completions[1] == Completion([2, 3], [6], [-0.3], "length")
 
 
 def test_the_harness_gets_the_api_answer_without_vllm_fields() -> None:
-    _, asked = prepare({"model": "gpt-4o", "messages": []}, CHAT, "tiny", SamplingOverrides())
+    asked = ChatDialect().translate({"model": "gpt-4o", "messages": []}, CLAIMS).renderer
+    assert isinstance(asked, Passthrough)
     data = {
         "model": "tiny",
         "prompt_token_ids": [1],
@@ -152,21 +153,20 @@ def test_the_harness_gets_the_api_answer_without_vllm_fields() -> None:
             }
         ],
     }
-    assert for_harness(data, asked) == {
+    assert asked.harness(data) == {
         "model": "gpt-4o",
         "choices": [
             {"index": 0, "message": {"content": "hi"}, "logprobs": None, "finish_reason": "stop"}
         ],
     }
-    _, asked = prepare(
-        {"model": "m", "return_token_ids": True, "logprobs": True}, CHAT, "t", SamplingOverrides()
-    )
-    kept = for_harness(
+    body = {"model": "m", "return_token_ids": True, "logprobs": True}
+    asked = ChatDialect().translate(body, CLAIMS).renderer
+    assert isinstance(asked, Passthrough)
+    kept = asked.harness(
         {
             "prompt_token_ids": [1],
             "choices": [{"index": 0, "token_ids": [2], "logprobs": {"content": []}}],
-        },
-        asked,
+        }
     )
     assert kept["prompt_token_ids"] == [1] and kept["choices"][0]["token_ids"] == [2]
     assert kept["choices"][0]["logprobs"] == {"content": []}

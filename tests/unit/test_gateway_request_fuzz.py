@@ -10,21 +10,24 @@ field added; fully generated ones explore block combinations a mutation would no
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harnessrl.services.gateway.anthropic import AnthropicError, ChatRequest, messages_to_chat
-from harnessrl.services.gateway.capture import (
-    CHAT,
-    COMPLETIONS,
-    InvalidRequest,
-    check_request,
-    prepare,
-)
+from harnessrl.episode_token import EpisodeClaims
 from harnessrl.services.gateway.config import GatewaySection
+from harnessrl.services.gateway.contract import CHAT_PATH, engine_request
+from harnessrl.services.gateway.dialects.anthropic import MessagesDialect
+from harnessrl.services.gateway.dialects.anthropic_request import ChatRequest, messages_to_chat
+from harnessrl.services.gateway.dialects.base import Dialect
+from harnessrl.services.gateway.dialects.openai_chat import ChatDialect
+from harnessrl.services.gateway.dialects.openai_completions import CompletionsDialect
+from harnessrl.services.gateway.dialects.openai_passthrough import Passthrough
+from harnessrl.services.gateway.errors import ANTHROPIC as ANTHROPIC_ERRORS
+from harnessrl.services.gateway.errors import GatewayError
 
 JSON: st.SearchStrategy[Any] = st.recursive(
     st.none()
@@ -37,6 +40,7 @@ JSON: st.SearchStrategy[Any] = st.recursive(
     ),
     max_leaves=8,
 )
+CLAIMS = EpisodeClaims("ep", 1, "g", "train", 4_000_000_000.0)
 TOOL_SCHEMA = {"type": "object", "properties": {"expression": {"type": "string"}}}
 ANTHROPIC = {
     "model": "claude-sonnet-4-6",
@@ -193,12 +197,21 @@ GENERATED = st.fixed_dictionaries(
 )
 
 
-def _translated_or_refused(body: Any) -> None:
+def _through_the_dialect(body: Any) -> ChatRequest:
+    """What MessagesDialect (server tools left out, as the gateway serves) makes of `body`."""
+    call = MessagesDialect().translate(body, CLAIMS)
+    assert call.path == CHAT_PATH and call.budget_field == "max_tokens"
+    return ChatRequest(call.body, call.model, call.stream)
+
+
+def _translated_or_refused(
+    body: Any, translate: Callable[[Any], ChatRequest] = messages_to_chat
+) -> None:
     try:
-        chat = messages_to_chat(body)
-    except AnthropicError as err:
+        chat = translate(body)
+    except GatewayError as err:
         assert 400 <= err.status < 500
-        shape = err.body()
+        shape = ANTHROPIC_ERRORS.body(err.status, str(err), err.param, err.code)
         assert shape["type"] == "error" and set(shape["error"]) == {"type", "message"}
         assert shape["error"]["type"] == "invalid_request_error" and shape["error"]["message"]
         return
@@ -223,6 +236,14 @@ def test_an_anthropic_request_with_any_value_anywhere_is_translated_or_refused_a
     _translated_or_refused(body)
 
 
+@settings(max_examples=200, deadline=None)
+@given(mutated(ANTHROPIC))
+def test_the_messages_dialect_translates_or_refuses_any_value_anywhere_as_a_400(
+    body: dict[str, Any],
+) -> None:
+    _translated_or_refused(body, _through_the_dialect)
+
+
 @settings(max_examples=300, deadline=None)
 @given(GENERATED)
 def test_generated_anthropic_conversations_are_translated_or_refused_as_a_400(
@@ -237,20 +258,22 @@ def test_an_anthropic_body_of_any_json_is_refused_as_a_400(body: Any) -> None:
     _translated_or_refused(body)
 
 
-def _forwarded_or_refused(body: dict[str, Any], kind: str) -> None:
+def _forwarded_or_refused(body: dict[str, Any], dialect: Dialect) -> None:
     section = GatewaySection()
     try:
-        check_request(body, kind)
-    except InvalidRequest as err:
+        call = dialect.translate(body, CLAIMS)
+    except GatewayError as err:
+        assert err.status == 400
         assert err.param in ("model", "stream", "return_token_ids", "logprobs")
         return
+    assert isinstance(call.renderer, Passthrough)
     for mode in (section.train, section.val):
-        upstream, asked = prepare(body, kind, "engine-model", mode)
+        upstream = engine_request(call.body, call.path, "engine-model", mode)
         orjson.dumps(upstream)
         assert upstream["model"] == "engine-model" and upstream["return_token_ids"] is True
         # What the gateway believes it asked is what the engine will read.
-        assert asked.stream is upstream.get("stream", False)
-        assert asked.model == body["model"]
+        assert call.stream is upstream.get("stream", False)
+        assert call.model == body["model"] and call.renderer.model == body["model"]
         assert body == orjson.loads(orjson.dumps(body)), "the harness's body is not modified"
 
 
@@ -259,7 +282,7 @@ def _forwarded_or_refused(body: dict[str, Any], kind: str) -> None:
 def test_a_chat_request_with_any_value_anywhere_is_forwarded_or_refused_as_a_400(
     body: dict[str, Any],
 ) -> None:
-    _forwarded_or_refused(body, CHAT)
+    _forwarded_or_refused(body, ChatDialect())
 
 
 @settings(max_examples=200, deadline=None)
@@ -267,7 +290,7 @@ def test_a_chat_request_with_any_value_anywhere_is_forwarded_or_refused_as_a_400
 def test_a_completion_request_with_any_value_anywhere_is_forwarded_or_refused_as_a_400(
     body: dict[str, Any],
 ) -> None:
-    _forwarded_or_refused(body, COMPLETIONS)
+    _forwarded_or_refused(body, CompletionsDialect())
 
 
 def test_fields_the_gateway_reads_must_have_their_type() -> None:
@@ -276,8 +299,8 @@ def test_fields_the_gateway_reads_must_have_their_type() -> None:
     for field, value in [("stream", "true"), ("stream", 1), ("return_token_ids", "yes")]:
         body = {**CHAT_BODY, field: value}
         try:
-            check_request(body, CHAT)
-        except InvalidRequest as err:
-            assert err.param == field
+            ChatDialect().translate(body, CLAIMS)
+        except GatewayError as err:
+            assert (err.status, err.param) == (400, field)
         else:
             raise AssertionError(f"{field}={value!r} was accepted")

@@ -16,6 +16,7 @@ from harnessrl.cli import (
     broker,
     chaos,
     config_cmd,
+    episode,
     events_cmd,
     experiment,
     submit,
@@ -44,6 +45,7 @@ _COMMANDS = (
     bench,
     trace,
     up,
+    episode,
     experiment,
     chaos,
 )

@@ -88,26 +88,8 @@ def register(commands: Any) -> None:
         help="leave glibc malloc at its defaults in the engine process",
     )
     weights.set_defaults(run=_run_weights)
-    gateway = sub.add_parser(
-        "gateway",
-        help="latency the gateway adds and calls/s through it (capture on)",
-        description="A load generator against a stand-in engine (canned vLLM-shaped "
-        "answers), directly and through `harnessrl gateway` capturing to an embedded broker, "
-        "at concurrency 1, 16 and 64 in alternating runs; then a soak through the gateway "
-        "measuring its resident memory. The last line is one JSON object.",
-    )
-    gateway.add_argument("--json", action="store_true", help="print only the JSON line")
-    gateway.add_argument("--seconds", type=float, default=4.0, help="seconds per run (default 4)")
-    gateway.add_argument(
-        "--rounds",
-        type=int,
-        default=3,
-        help="runs per target and concurrency; medians reported (default 3)",
-    )
-    gateway.add_argument(
-        "--soak-calls", type=int, default=100_000, help="calls in the memory soak (default 100000)"
-    )
-    gateway.set_defaults(run=_run_gateway)
+    _register_gateway(sub)
+    _register_http_memory(sub)
     _register_load(sub)
     samples = sub.add_parser(
         "samples",
@@ -221,6 +203,50 @@ def _run_weights(args: argparse.Namespace) -> int:
     from harnessrl.bench import weights
 
     return weights.main(args)
+
+
+def _register_gateway(sub: Any) -> None:
+    gateway = sub.add_parser(
+        "gateway",
+        help="latency the gateway adds and calls/s through it (capture on)",
+        description="A load generator against a stand-in engine (canned vLLM-shaped "
+        "answers), directly and through `harnessrl gateway` capturing to an embedded broker, "
+        "at concurrency 1, 16 and 64 in alternating runs; then a soak through the gateway "
+        "measuring its resident memory. The last line is one JSON object.",
+    )
+    gateway.add_argument("--json", action="store_true", help="print only the JSON line")
+    gateway.add_argument("--seconds", type=float, default=4.0, help="seconds per run (default 4)")
+    gateway.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="runs per target and concurrency; medians reported (default 3)",
+    )
+    gateway.add_argument(
+        "--soak-calls", type=int, default=100_000, help="calls in the memory soak (default 100000)"
+    )
+    gateway.set_defaults(run=_run_gateway)
+
+
+def _register_http_memory(sub: Any) -> None:
+    from harnessrl.bench import http_memory  # standard library and orjson only
+
+    memory = sub.add_parser(
+        "http-memory",
+        help="the HTTP server's memory under stalled large uploads, and after them",
+        description="64 connections each send all but one byte of a maximal body and stall, "
+        "twice, against the project's HTTP server in a child process with its default "
+        "buffered-bytes budget; prints its RSS at the start, at each peak and after each "
+        "round (the goal: back within 50 MB of the start). The last line is one JSON object.",
+    )
+    http_memory.add_arguments(memory)
+    memory.set_defaults(run=_run_http_memory)
+
+
+def _run_http_memory(args: argparse.Namespace) -> int:
+    from harnessrl.bench import http_memory
+
+    return http_memory.main(args)
 
 
 def _run_gateway(args: argparse.Namespace) -> int:

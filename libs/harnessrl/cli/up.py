@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.cli.common import CliError, add_config_option
+from harnessrl.up.stackfile import DEFAULT_WORKDIR, STACK_FILE
 
 
 def register(commands: Any) -> None:
@@ -18,14 +19,17 @@ def register(commands: Any) -> None:
         "controller",
         description="Start the embedded broker, a local OTLP trace receiver, and every "
         "service as child processes, in order, each once the previous one is ready; print "
-        "their logs merged. Ctrl-C stops them in reverse order.",
+        f"their logs merged. Once all are ready, WORKDIR/{STACK_FILE} (mode 0600) says where "
+        "each listens and holds the gateway's secrets, for `harnessrl episode` and "
+        "`harnessrl experiment --stack`. Ctrl-C stops them in reverse order.",
     )
     add_config_option(parser)
     parser.add_argument(
         "--workdir",
         type=Path,
-        default=Path(".harnessrl"),
-        help="state of this run: traces, episodes, checkpoints, spill (default .harnessrl)",
+        default=DEFAULT_WORKDIR,
+        help="state of this run: traces, episodes, checkpoints, spill, the stack file "
+        f"(default {DEFAULT_WORKDIR})",
     )
     parser.add_argument(
         "--ready-timeout",

@@ -100,13 +100,18 @@ class ClientConnection(asyncio.Protocol):
         return self._status, self._headers
 
     async def read_chunk(self) -> bytes:
-        """The next body bytes as they arrived; b"" once the body is complete."""
+        """The body bytes that arrived since the last read (all of them, so a reader that
+        fell behind catches up in one step); b"" once the body is complete."""
         body = self._body
         while not body:
             if self._complete:
                 return b""
             await self._wait()
-        data = body.popleft()
+        if len(body) == 1:
+            data = body.popleft()
+        else:
+            data = b"".join(body)
+            body.clear()
         self._buffered -= len(data)
         if self._read_paused and self._buffered <= _BUFFER_LOW:
             self._read_paused = False

@@ -49,6 +49,12 @@ class Deadline:
             self._timer.cancel()
             self._timer = None
 
+    def close(self) -> None:
+        """Cancel for good, dropping `on_expire` too: a bound method of the deadline's owner
+        would keep the owner alive as long as the deadline. set() must not follow."""
+        self.cancel()
+        self._on_expire = _expired
+
     def _fire(self) -> None:
         self._timer = None
         when = self._when
@@ -60,3 +66,7 @@ class Deadline:
             return
         self._when = None
         self._on_expire()
+
+
+def _expired() -> None:
+    """What a closed deadline would call (it never fires: its timer is cancelled)."""

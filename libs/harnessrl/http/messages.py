@@ -61,8 +61,9 @@ Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
 
 class ErrorRenderer(Protocol):
     """`on_error(status, message, path) -> Response` renders the responses the server gives
-    itself: 400 (malformed), 408 (too slow), 413 (body too large), 431 (head too large) and
-    500 (the handler raised or returned something unusable). `path` is the request's, once
+    itself: 400 (malformed), 408 (too slow), 413 (body too large), 431 (head too large), 503
+    (no room left in the server's body budget; the server adds `retry-after`) and 500 (the
+    handler raised or returned something unusable). `path` is the request's, once
     its request line was read ("" before), so an API can answer in its routes' own error
     shapes. The returned response is sent as it is, plus `connection: close` where the
     server closes the connection."""

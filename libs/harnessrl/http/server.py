@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from functools import partial
 
+from harnessrl.http.body_budget import BodyBudget
 from harnessrl.http.messages import (
     ErrorRenderer,
     Handler,
@@ -32,6 +33,7 @@ log = get_logger(__name__)
 
 _BACKLOG = 2048
 _ABORT_WAIT_S = 1.0  # after grace: how long cancelled handlers get to unwind
+MiB = 1024 * 1024
 
 
 class HttpServer:
@@ -42,6 +44,16 @@ class HttpServer:
     `header_timeout_s` to send a head, or `body_timeout_s` from head to the body's end, gets
     408; an idle keep-alive connection is closed after `keepalive_timeout_s`. Each of these
     closes the connection.
+
+    `max_buffered_bytes` bounds the request-body bytes held across all connections: those
+    still arriving, and those of complete requests queued or in their handler (given back
+    when the handler returns or the connection is lost). A body whose next bytes would pass
+    it gets 503 with `Retry-After` and its connection is closed; other connections go on.
+    503 rather than 413: the request is within the limits and the client did nothing wrong,
+    the server is short of room for now, and clients (the OpenAI and Anthropic SDKs among
+    them) retry a 503 after backing off, where a 413 tells them never to send it again. The
+    default, 256 MiB, is 32 bodies at the 8 MiB limit all in flight at once; it must be at
+    least `max_body_bytes` (ValueError otherwise), or a body at the limit could never fit.
     """
 
     def __init__(
@@ -55,10 +67,17 @@ class HttpServer:
         header_timeout_s: float = 10.0,
         body_timeout_s: float = 30.0,
         keepalive_timeout_s: float = 75.0,
+        max_buffered_bytes: int = 256 * MiB,
         on_error: ErrorRenderer = json_error,
     ) -> None:
+        if max_buffered_bytes < max_body_bytes:
+            raise ValueError(
+                f"max_buffered_bytes: {max_buffered_bytes} is less than max_body_bytes "
+                f"({max_body_bytes}); a body at the limit could never be buffered"
+            )
         self._host = host
         self._port = port
+        self._budget = BodyBudget(max_buffered_bytes)
         self._settings = partial(
             ServerState,
             handler,
@@ -68,6 +87,7 @@ class HttpServer:
             header_timeout_s,
             body_timeout_s,
             keepalive_timeout_s,
+            self._budget,
         )
         self._state: ServerState | None = None
         self._server: asyncio.Server | None = None
@@ -77,6 +97,17 @@ class HttpServer:
     def port(self) -> int:
         """The port listened on: the one the OS chose when 0 was asked, once started."""
         return self._port
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Request-body bytes held now against `max_buffered_bytes` (0 with no request)."""
+        return self._budget.used
+
+    @property
+    def budget_refusals(self) -> int:
+        """Requests refused with 503 because `max_buffered_bytes` was reached, since
+        construction; only grows (a Prometheus counter's value)."""
+        return self._budget.refusals
 
     async def start(self) -> None:
         """Start listening. Raises OSError when the address cannot be bound."""

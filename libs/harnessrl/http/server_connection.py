@@ -8,7 +8,10 @@ sends for a moment first, so that the error reaches it rather than a reset.
 
 Reading pauses while the transport's write buffer is above its high-water mark or too many
 pipelined requests wait, so a client that does not read cannot make the server buffer
-without bound.
+without bound. Body bytes count against the server's `BodyBudget` from their arrival until
+the handler of their request returned, or the connection is lost; a body the budget has no
+room for is refused (503). When the connection is lost, it drops its reader, parser, queued
+requests and timer, so that nothing but a handler still running keeps its bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from harnessrl.http import wire
+from harnessrl.http.body_budget import BodyBudget
 from harnessrl.http.deadline import Deadline
 from harnessrl.http.messages import (
     ErrorRenderer,
@@ -53,12 +57,14 @@ class ServerState:
     header_timeout_s: float
     body_timeout_s: float
     keepalive_timeout_s: float
+    budget: BodyBudget
     connections: set[ServerConnection] = field(default_factory=set)
     stopping: bool = False
     all_closed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-_Item = tuple[Request | Rejected, bool]  # (what to answer, whether the client keeps alive)
+# (what to answer, whether the client keeps alive, its body bytes taken from the budget)
+_Item = tuple[Request | Rejected, bool, int]
 
 
 class ServerConnection(asyncio.Protocol):
@@ -83,6 +89,7 @@ class ServerConnection(asyncio.Protocol):
         self._write_paused = False
         self._read_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
+        self._held = 0  # body bytes of the requests queued or in the handler, taken
 
     # asyncio.Protocol
 
@@ -93,6 +100,7 @@ class ServerConnection(asyncio.Protocol):
         self._reader = RequestReader(
             max_body_bytes=state.max_body_bytes,
             max_header_bytes=state.max_header_bytes,
+            budget=state.budget,
             client=(peer[0], peer[1]) if isinstance(peer, tuple) else None,
             disconnected=self._disconnected,
             on_request=self._enqueue,
@@ -119,8 +127,13 @@ class ServerConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
         self._disconnected.set()
-        self._deadline.cancel()
+        # The deadline's and the reader's callbacks are this connection's bound methods, and
+        # the parser and the reader hold each other: closing them leaves no cycle behind.
+        self._deadline.close()
+        self._reader.close()
         self._queue.clear()
+        self._state.budget.give(self._held)
+        self._held = 0
         connections = self._state.connections
         connections.discard(self)
         if self._state.stopping and not connections:
@@ -141,7 +154,9 @@ class ServerConnection(asyncio.Protocol):
     # Answering
 
     def _enqueue(self, request: Request | Rejected, keep_alive: bool) -> None:
-        item = (request, keep_alive)
+        held = len(request.body) if isinstance(request, Request) else 0
+        self._held += held
+        item = (request, keep_alive, held)
         if self._task is None:
             self._phase = _BUSY
             self._deadline.clear()
@@ -169,13 +184,13 @@ class ServerConnection(asyncio.Protocol):
             else:
                 self._close()
 
-    async def _respond(self, request: Request | Rejected, keep: bool) -> bool:
+    async def _respond(self, request: Request | Rejected, keep: bool, held: int) -> bool:
         """Answer one request; True when the connection stays open for the next."""
         if isinstance(request, Rejected):
             log.info(
                 "request refused", status=request.status, reason=request.message, path=request.path
             )
-            self._send_error(request.status, request.message, request.path)
+            self._send_error(request.status, request.message, request.path, request.headers)
             self._linger_close()
             return False
         try:
@@ -184,6 +199,8 @@ class ServerConnection(asyncio.Protocol):
         except Exception:
             log.exception("handler failed", method=request.method, path=request.path)
             response = self._error_response(500, "internal error", request.path)
+        finally:
+            self._give_back(held)
         keep = keep and not self._state.stopping
         if self._lost:
             if isinstance(response, StreamingResponse):
@@ -246,6 +263,12 @@ class ServerConnection(asyncio.Protocol):
             self._streaming = False
             await aclose(chunks)
 
+    def _give_back(self, held: int) -> None:
+        """Give a handled request's body bytes back (connection_lost gave back all)."""
+        if not self._lost:
+            self._held -= held
+            self._state.budget.give(held)
+
     def _on_continue(self) -> None:
         if self._task is None:
             self._transport.write(wire.CONTINUE)
@@ -259,15 +282,17 @@ class ServerConnection(asyncio.Protocol):
             log.exception("on_error failed", status=status)
             return json_error(status, message)
 
-    def _send_error(self, status: int, message: str, path: str = "") -> None:
-        """Write an error response that closes the connection."""
+    def _send_error(
+        self, status: int, message: str, path: str = "", extra: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        """Write an error response that closes the connection, with the `extra` headers."""
         if self._lost:
             return
         response = self._error_response(status, message, path)
         try:
             head, _ = wire.response_head(
                 response.status,
-                response.headers,
+                [*(response.headers or ()), *extra],
                 content_length=len(response.body),
                 keep_alive=False,
                 http10=False,
@@ -277,7 +302,7 @@ class ServerConnection(asyncio.Protocol):
             response = json_error(status, message)
             head, _ = wire.response_head(
                 status,
-                response.headers,
+                [*(response.headers or ()), *extra],
                 content_length=len(response.body),
                 keep_alive=False,
                 http10=False,

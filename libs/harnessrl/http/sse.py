@@ -22,6 +22,10 @@ class SseDecoder:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The data payloads of the events that `chunk` completes, in order."""
+        if not (self._pending or self._data or self._skip_lf) and chunk.endswith(b"\n\n"):
+            events = _whole_events(chunk)
+            if events is not None:
+                return events
         if self._skip_lf:
             self._skip_lf = False
             if chunk.startswith(b"\n"):
@@ -47,3 +51,16 @@ class SseDecoder:
                 if name == b"data":
                     data.append(value[1:] if value.startswith(b" ") else value)
         return events
+
+
+def _whole_events(chunk: bytes) -> list[bytes] | None:
+    """The payloads of a chunk made of whole one-line `data: ...` events, as engines send
+    them (the common case, read without the line machinery); None for anything else."""
+    if b"\r" in chunk:
+        return None
+    events = chunk[:-2].split(b"\n\n")
+    for i, event in enumerate(events):
+        if not event.startswith(b"data: ") or b"\n" in event:
+            return None
+        events[i] = event[6:]
+    return events

@@ -13,9 +13,15 @@ import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from harnessrl.broker import free_ports
 from harnessrl.config import load_config
+from harnessrl.up.stackfile import GatewayAccess
+
+if TYPE_CHECKING:
+    from harnessrl.services.controller.config import ControllerSection
+    from harnessrl.services.gateway.config import GatewaySection
 
 LOCALHOST = "127.0.0.1"
 
@@ -43,14 +49,17 @@ class ChildSpec:
 class StackPlan:
     bootstrap: str
     """Kafka bootstrap servers of the embedded broker."""
+    gateway: GatewayAccess
+    """Where the gateway listens and the secrets it was started with."""
     children: tuple[ChildSpec, ...] = field(default=())
     """In start order; stopped in reverse."""
 
 
 def build_plan(config_file: Path | None, workdir: Path, telemetry_endpoint: str) -> StackPlan:
     """Plan the stack. Ports are picked free now; secrets the config leaves unset are
-    generated for this run. Raises UpError when the config lacks a harness command, or
-    pydantic.ValidationError / FileNotFoundError for a bad config."""
+    generated for this run (`StackPlan.gateway` carries them, for the stack file). Raises
+    UpError when the config lacks a harness command, or pydantic.ValidationError /
+    FileNotFoundError for a bad config."""
     from harnessrl.services.controller.config import ControllerConfig
     from harnessrl.services.gateway.config import GatewayConfig
 
@@ -59,22 +68,22 @@ def build_plan(config_file: Path | None, workdir: Path, telemetry_endpoint: str)
     if controller.harness is None:
         raise UpError("controller.harness is not set: name the harness command in the config")
     # Every port distinct: picked one at a time, the kernel may hand out the same one twice.
-    kafka_port, weightsync_port, *service_ports = free_ports(2 + len(_SERVICES))
+    kafka_port, weightsync_port, admin_port, *service_ports = free_ports(3 + len(_SERVICES))
     bootstrap = f"{LOCALHOST}:{kafka_port}"
     ports = dict(zip(_SERVICES, service_ports, strict=True))
     shared = _shared_env(bootstrap, telemetry_endpoint, workdir)
     base = [sys.executable, "-m", "harnessrl"]
     config_args = ["--config", str(config_file)] if config_file is not None else []
-    token_secret = _secret(gateway.token_secret, controller.token_secret)
-    admin_token = _secret(gateway.admin_token, controller.admin_token)
-    gateway_url = _url(ports["gateway"])
+    access = _gateway_access(gateway, controller, ports["gateway"], admin_port)
+    separate_admin = access.admin_url != access.url
     per_service: dict[str, dict[str, str]] = {
         "broker": {},
         "inference": {},
         "gateway": {
             "HARNESSRL_GATEWAY__ENGINES": json.dumps([_url(ports["inference"])]),
-            "HARNESSRL_GATEWAY__TOKEN_SECRET": token_secret,
-            "HARNESSRL_GATEWAY__ADMIN_TOKEN": admin_token,
+            "HARNESSRL_GATEWAY__TOKEN_SECRET": access.token_secret,
+            "HARNESSRL_GATEWAY__ADMIN_TOKEN": access.admin_token,
+            **({"HARNESSRL_GATEWAY__ADMIN_PORT": str(admin_port)} if separate_admin else {}),
         },
         "reward": {},
         "sample-builder": {},
@@ -83,10 +92,10 @@ def build_plan(config_file: Path | None, workdir: Path, telemetry_endpoint: str)
             "HARNESSRL_TRAINER__CHECKPOINT_DIR": str(workdir / "trainer"),
         },
         "controller": {
-            "HARNESSRL_CONTROLLER__GATEWAY_URL": gateway_url,
-            "HARNESSRL_CONTROLLER__GATEWAY_ADMIN_URL": gateway_url,
-            "HARNESSRL_CONTROLLER__TOKEN_SECRET": token_secret,
-            "HARNESSRL_CONTROLLER__ADMIN_TOKEN": admin_token,
+            "HARNESSRL_CONTROLLER__GATEWAY_URL": access.url,
+            "HARNESSRL_CONTROLLER__GATEWAY_ADMIN_URL": access.admin_url,
+            "HARNESSRL_CONTROLLER__TOKEN_SECRET": access.token_secret,
+            "HARNESSRL_CONTROLLER__ADMIN_TOKEN": access.admin_token,
             "HARNESSRL_CONTROLLER__WORKDIR": str(workdir / "episodes"),
             "HARNESSRL_CONTROLLER__STATE_DIR": str(workdir / "controller"),
             "HARNESSRL_CONTROLLER__HARNESS__COMMAND": json.dumps(
@@ -108,7 +117,7 @@ def build_plan(config_file: Path | None, workdir: Path, telemetry_endpoint: str)
                 address=_address(name, port, bootstrap),
             )
         )
-    return StackPlan(bootstrap=bootstrap, children=tuple(children))
+    return StackPlan(bootstrap=bootstrap, gateway=access, children=tuple(children))
 
 
 _SERVICES = {
@@ -147,6 +156,21 @@ def _shared_env(bootstrap: str, telemetry_endpoint: str, workdir: Path) -> dict[
         "HARNESSRL_LOG__FORMAT": "json",  # up parses and re-renders each line
         "HARNESSRL_PRODUCER__SPILL_DIR": str(workdir / "spill"),
     }
+
+
+def _gateway_access(
+    gateway: GatewaySection, controller: ControllerSection, port: int, admin_port: int
+) -> GatewayAccess:
+    """The gateway's URLs and the secrets it shares with the controller: the config's, else
+    generated for this run. The admin API has a port of its own (`admin_port`, picked free
+    like every other) only when the config asks for one; otherwise it is on `port`."""
+    url = _url(port)
+    return GatewayAccess(
+        url=url,
+        admin_url=url if gateway.admin_port is None else _url(admin_port),
+        token_secret=_secret(gateway.token_secret, controller.token_secret),
+        admin_token=_secret(gateway.admin_token, controller.admin_token),
+    )
 
 
 def _secret(*configured: object) -> str:

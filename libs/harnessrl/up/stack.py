@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 from collections.abc import Awaitable, Callable
@@ -11,13 +10,11 @@ from pathlib import Path
 
 from harnessrl.up.logview import LogView
 from harnessrl.up.plan import StackPlan, UpError, build_plan
+from harnessrl.up.stackfile import STACK_FILE, remove_stack_files, write_stack_file
 from harnessrl.up.supervisor import Child
 
 READY_LINE = "harnessrl up: ready"
 """Printed, then the table of services, once every child answers /healthz."""
-STACK_FILE = "stack.json"
-"""Written into the work directory once every child is ready (removed at stop): where the
-broker, each service and the traces are, for tools that drive a running stack."""
 
 
 async def run_stack(
@@ -35,6 +32,7 @@ async def run_stack(
     run. Raises UpError, pydantic.ValidationError or FileNotFoundError for a bad config."""
     from harnessrl.telemetry.receiver import OtlpReceiver
 
+    remove_stack_files(workdir)  # a killed `up` leaves its own: they name a stack now gone
     receiver = OtlpReceiver(workdir / "traces.jsonl", port=0)
     await receiver.start()
     try:
@@ -68,15 +66,20 @@ class Stack:
             loop.add_signal_handler(sig, self._stop.set)
         try:
             if await self._start(ready_timeout_s):
-                self._out(ready_table(self._children, self._plan.bootstrap, self._traces))
-                write_stack_file(self._stack_file, self._children, self._plan, self._traces)
+                data = stack_data(self._children, self._plan, self._traces)
+                write_stack_file(self._stack_file, data, self._plan.gateway)
+                self._out(
+                    ready_table(
+                        self._children, self._plan.bootstrap, self._traces, self._stack_file
+                    )
+                )
                 await self._watch()
             return 0
         except UpError as err:
             self._out(self._view.note(f"error: {err}"))
             return 1
         finally:
-            self._stack_file.unlink(missing_ok=True)
+            remove_stack_files(self._stack_file.parent)
             await self._stop_all(grace_s)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
@@ -131,8 +134,9 @@ async def _unless_stopped(work: Awaitable[None], stop: asyncio.Event) -> bool:
     return False
 
 
-def ready_table(children: list[Child], bootstrap: str, traces: Path) -> str:
-    """`READY_LINE`, then one row per service: name, pid, where it listens, health URL."""
+def ready_table(children: list[Child], bootstrap: str, traces: Path, stack_file: Path) -> str:
+    """`READY_LINE`, then one row per service: name, pid, where it listens, health URL;
+    then the broker, the traces and where the stack file is (never a secret)."""
     rows = [("SERVICE", "PID", "LISTENS", "HEALTH")]
     rows += [(c.spec.name, str(c.pid), c.spec.address, c.spec.health_url) for c in children]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
@@ -141,13 +145,18 @@ def ready_table(children: list[Child], bootstrap: str, traces: Path) -> str:
         cells = "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
         lines.append(f"  {cells}  {row[3]}")
     lines.append(f"  kafka bootstrap {bootstrap}; traces in {traces}")
+    lines.append(
+        f"  stack file {stack_file} (gateway URLs and secrets, mode 0600): for "
+        "`harnessrl episode open` and `harnessrl experiment --stack`"
+    )
     lines.append("")
     return "\n".join(lines)
 
 
-def write_stack_file(path: Path, children: list[Child], plan: StackPlan, traces: Path) -> None:
-    """`STACK_FILE`: the bootstrap servers, the traces file, and each service's pid, base URL
-    (its /healthz and /metrics are below it) and address. Written atomically."""
+def stack_data(children: list[Child], plan: StackPlan, traces: Path) -> dict[str, object]:
+    """What `STACK_FILE` says beside the gateway's access: `up`'s pid, the bootstrap
+    servers, the traces file, and each service's pid, base URL (its /healthz and /metrics
+    are below it) and address."""
     services = {
         c.spec.name: {
             "pid": c.pid,
@@ -156,8 +165,9 @@ def write_stack_file(path: Path, children: list[Child], plan: StackPlan, traces:
         }
         for c in children
     }
-    data = {"pid": os.getpid(), "bootstrap": plan.bootstrap, "traces": str(traces)}
-    data["services"] = services
-    partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps(data, indent=2) + "\n")
-    partial.replace(path)
+    return {
+        "pid": os.getpid(),
+        "bootstrap": plan.bootstrap,
+        "traces": str(traces),
+        "services": services,
+    }

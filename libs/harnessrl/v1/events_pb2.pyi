@@ -99,6 +99,8 @@ class _ApiEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Api.ValueType], _
     """OpenAI POST /v1/completions."""
     API_ANTHROPIC_MESSAGES: _Api.ValueType  # 3
     """Anthropic POST /v1/messages, translated by the gateway."""
+    API_OPENAI_RESPONSES: _Api.ValueType  # 4
+    """OpenAI POST /v1/responses (the Responses API), translated by the gateway."""
 
 class Api(_Api, metaclass=_ApiEnumTypeWrapper):
     """--- hrl.calls -------------------------------------------------------------------------------
@@ -114,6 +116,8 @@ API_OPENAI_COMPLETIONS: Api.ValueType  # 2
 """OpenAI POST /v1/completions."""
 API_ANTHROPIC_MESSAGES: Api.ValueType  # 3
 """Anthropic POST /v1/messages, translated by the gateway."""
+API_OPENAI_RESPONSES: Api.ValueType  # 4
+"""OpenAI POST /v1/responses (the Responses API), translated by the gateway."""
 Global___Api: _TypeAlias = Api  # noqa: Y015
 
 class _ControlAction:

@@ -32,8 +32,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from harnessrl.services.gateway.anthropic_models import (
-    AnthropicError,
+from harnessrl.services.gateway.dialects.anthropic_models import (
     CustomTool,
     InputMessage,
     MessagesRequest,
@@ -46,7 +45,7 @@ from harnessrl.services.gateway.anthropic_models import (
     invalid,
     parse_request,
 )
-from harnessrl.services.gateway.anthropic_response import (
+from harnessrl.services.gateway.dialects.anthropic_response import (
     RAW_ARGUMENTS_KEY,
     MessageStream,
     StreamEvent,
@@ -58,7 +57,6 @@ from harnessrl.services.gateway.anthropic_response import (
 __all__ = [
     "RAW_ARGUMENTS_KEY",
     "TOOL_ERROR_PREFIX",
-    "AnthropicError",
     "ChatRequest",
     "MessageStream",
     "StreamEvent",
@@ -89,13 +87,12 @@ class ChatRequest:
 def messages_to_chat(body: object) -> ChatRequest:
     """The chat-completions request for an Anthropic Messages request body (parsed JSON).
 
-    Unknown top-level fields are ignored. Raises AnthropicError(400, invalid_request_error)
+    Unknown top-level fields are ignored. Raises GatewayError(400)
     naming the field and the reason for anything invalid or that this engine cannot honour
-    (`top_k`, structured output, image and document blocks, server tools).
+    (structured output, image and document blocks, server tools). `top_k` goes to the
+    engine as on the OpenAI routes (train calls drop it: gateway.train.drop).
     """
     request = parse_request(body)
-    if request.top_k is not None:
-        raise invalid("top_k: not supported by this engine")
     if request.output_config is not None and request.output_config.format is not None:
         raise invalid("output_config.format: structured output is not supported by this engine")
     chat: dict[str, Any] = {
@@ -112,6 +109,8 @@ def messages_to_chat(body: object) -> ChatRequest:
         chat["temperature"] = request.temperature
     if request.top_p is not None:
         chat["top_p"] = request.top_p
+    if request.top_k is not None:
+        chat["top_k"] = request.top_k
     chat.update(_tools(request))
     last = chat["messages"][-1]
     if last["role"] == "assistant" and last["content"] and "tool_calls" not in last:

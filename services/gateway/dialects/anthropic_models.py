@@ -15,46 +15,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
 
-_STATUS_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-    504: "timeout_error",
-    529: "overloaded_error",
-}
+from harnessrl.services.gateway.errors import GatewayError
 
 
-class AnthropicError(Exception):
-    """An error answered in Anthropic's shape: HTTP `status`, `error_type` such as
-    `invalid_request_error`, and a message that names the field at fault."""
-
-    def __init__(self, status: int, error_type: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.error_type = error_type
-        self.message = message
-
-    @classmethod
-    def for_status(cls, status: int, message: str) -> AnthropicError:
-        """The error Anthropic's API gives with `status`: 4xx it does not name are
-        `invalid_request_error`, other 5xx `api_error` (503 and 529 are
-        `overloaded_error`, 504 `timeout_error`)."""
-        default = "invalid_request_error" if 400 <= status < 500 else "api_error"
-        return cls(status, _STATUS_TYPES.get(status, default), message)
-
-    def body(self) -> dict[str, Any]:
-        """`{"type": "error", "error": {"type": ..., "message": ...}}`: the HTTP body, and
-        the data of a streamed `error` event."""
-        return {"type": "error", "error": {"type": self.error_type, "message": self.message}}
-
-
-def invalid(message: str) -> AnthropicError:
-    """A 400 `invalid_request_error`."""
-    return AnthropicError(400, "invalid_request_error", message)
+def invalid(message: str) -> GatewayError:
+    """A 400 `invalid_request_error`; `message` starts with the field's path."""
+    return GatewayError(400, message)
 
 
 class _Edge(BaseModel):
@@ -174,14 +140,14 @@ class OutputConfig(_Edge):
 class MessagesRequest(_Edge):
     """`POST /v1/messages` as far as this engine can honour it."""
 
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=256)  # recorded in every ModelCall
     max_tokens: int = Field(ge=1)
     messages: list[InputMessage] = Field(min_length=1)
     system: list[TextBlock] | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=0)
     tools: list[CustomTool] | None = None
     tool_choice: ToolChoice | None = None
     output_config: OutputConfig | None = None
@@ -194,7 +160,7 @@ class MessagesRequest(_Edge):
 
 
 def parse_request(body: object) -> MessagesRequest:
-    """The validated request. Raises AnthropicError(400) naming the first invalid field."""
+    """The validated request. Raises GatewayError(400) naming the first invalid field."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     try:

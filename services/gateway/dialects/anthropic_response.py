@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from harnessrl.services.gateway.anthropic_models import AnthropicError
+from harnessrl.services.gateway.errors import ANTHROPIC
 
 RAW_ARGUMENTS_KEY = "_raw_arguments"
 """The `tool_use` input key holding tool-call arguments that are not a JSON object."""
@@ -23,8 +23,6 @@ StreamEvent = tuple[str, dict[str, Any]]
 """(SSE event name, data): one Anthropic stream event."""
 
 _STOP_REASONS = {"length": "max_tokens", "content_filter": "refusal"}
-_CONTEXT_LENGTH = "maximum context length"
-_PROMPT_TOO_LONG = "prompt is too long: "
 
 
 def chat_to_message(chat: dict[str, Any], *, model: str) -> dict[str, Any]:
@@ -101,22 +99,11 @@ def stop_reason(finish: object, matched: object, tool_calls: object) -> tuple[st
 
 
 def chat_error_to_anthropic(status: int, body: object) -> tuple[int, dict[str, Any]]:
-    """(status, Anthropic error body) for an engine's error answer.
-
-    `body` is the engine's parsed error: OpenAI's `{"error": {"message", "type", ...}}`, or
-    vLLM's flat `{"object": "error", "message": ...}`; anything else gets a generic message.
-    The status is kept; the type follows it (400 invalid_request_error, 401
-    authentication_error, 403 permission_error, 404 not_found_error, 413 request_too_large,
-    429 rate_limit_error, 503 and 529 overloaded_error, 504 timeout_error, other 4xx
-    invalid_request_error, other 5xx api_error). A context-length error reads "prompt is
-    too long: ...", Anthropic's words, which harnesses such as Claude Code look for before
-    compacting their context.
-    """
-    message = _error_message(body) or f"the engine answered HTTP {status}"
-    if _CONTEXT_LENGTH in message and not message.startswith(_PROMPT_TOO_LONG):
-        message = _PROMPT_TOO_LONG + message
-    error = AnthropicError.for_status(status, message)
-    return error.status, error.body()
+    """(status, Anthropic error body) for an engine's error answer (parsed): the status is
+    kept, the type follows it; a context-length error reads "prompt is too long: ...",
+    Anthropic's words, which harnesses such as Claude Code look for before compacting."""
+    code, data = ANTHROPIC.engine(status, body)
+    return code, data
 
 
 def encode_sse(event: str, data: dict[str, Any]) -> bytes:
@@ -318,16 +305,3 @@ def _engine_status(chunk: dict[str, Any]) -> int:
     error = chunk.get("error", chunk)
     code = error.get("code") if isinstance(error, dict) else None
     return code if isinstance(code, int) and 400 <= code < 600 else 500
-
-
-def _error_message(body: object) -> str | None:
-    if not isinstance(body, dict):
-        return None
-    error = body.get("error", body)
-    if isinstance(error, str):
-        return error
-    if isinstance(error, dict):
-        for key in ("message", "detail"):
-            if isinstance(error.get(key), str):
-                return str(error[key])
-    return None

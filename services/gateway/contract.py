@@ -1,0 +1,51 @@
+"""What the gateway asks of any engine (vLLM's OpenAI dialect), whatever the harness spoke.
+
+Every dialect translates its request into an engine request in OpenAI's chat-completions or
+completions shape; `engine_request` then applies the inference contract: the engine's model
+name, exact token ids and log-probs (vLLM's `return_token_ids` and `logprobs`; never
+`include_reasoning: false`, which drops ids in vLLM), and the sampling the episode's mode
+forces (train calls sample the policy's own distribution).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harnessrl.services.gateway.config import SamplingOverrides
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+TOKENIZE_PATH = "/tokenize"
+VERSION_HEADER = "x-policy-version"
+"""Response header naming the policy version that served a call (the project's engine)."""
+
+
+def engine_request(
+    body: dict[str, Any], path: str, engine_model: str, overrides: SamplingOverrides
+) -> dict[str, Any]:
+    """The engine request for a translated request `body` (not modified)."""
+    upstream = dict(body)
+    upstream["model"] = engine_model
+    upstream["return_token_ids"] = True
+    if path == CHAT_PATH:
+        upstream["logprobs"] = True
+    elif not _int(body.get("logprobs")):
+        upstream["logprobs"] = 0  # the sampled tokens' log-probs, no alternatives
+    upstream.pop("include_reasoning", None)
+    if overrides.temperature is not None:
+        upstream["temperature"] = overrides.temperature
+    if overrides.top_p is not None:
+        upstream["top_p"] = overrides.top_p
+    for name in overrides.drop:
+        upstream.pop(name, None)
+    return upstream
+
+
+def policy_version(header: str | None, loaded: int) -> int:
+    """The version that served a call: the engine's own word (`x-policy-version`) wins,
+    else what it had loaded when the call was sent."""
+    return int(header) if header and header.isdigit() else loaded
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
