@@ -177,13 +177,16 @@ def _messages(items: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
 
 
 def _assistant(out: list[dict[str, Any]], reasoning: list[str]) -> dict[str, Any]:
-    """The assistant message a tool call joins: the last message if it is one."""
+    """The assistant message a tool call joins: the last message if it is one. Reasoning
+    sent just before the call joins it too."""
     if out and out[-1]["role"] == "assistant":
-        return out[-1]
-    message: dict[str, Any] = {"role": "assistant", "content": None}
+        message = out[-1]
+    else:
+        message = {"role": "assistant", "content": None}
+        out.append(message)
     if reasoning:
-        message["reasoning_content"] = "\n".join(reasoning)
-    out.append(message)
+        earlier = message.get("reasoning_content")
+        message["reasoning_content"] = "\n".join([earlier, *reasoning] if earlier else reasoning)
     return message
 
 
