@@ -79,13 +79,16 @@ def run_loop(coroutine: Any) -> None:
 
 
 def _load(
-    base: str, paths: list[str], concurrency: int, budget: tuple[float, int], out: Any
+    base: str, paths: list[str], concurrency: int, budget: tuple[float, int, bytes], out: Any
 ) -> None:
     """The load generator (a child process): latencies of `calls` calls (0: unlimited)
-    or for `seconds`, whichever ends first; `budget` is (seconds, calls)."""
+    or for `seconds`, whichever ends first, each sending `body`; `budget` is (seconds,
+    calls, body). A streamed call is read to its end; one whose stream did not end is an
+    error."""
     from harnessrl.http import HttpClient
 
-    seconds, calls = budget
+    seconds, calls, body = budget
+    streamed = b'"stream":true' in body
 
     async def main() -> None:
         client = HttpClient(base, max_connections=concurrency + 4)
@@ -100,11 +103,17 @@ def _load(
                 path = paths[issued % len(paths)]
                 issued += 1
                 started = time.perf_counter()
-                response = await client.request(
-                    "POST", path, headers=[("content-type", "application/json")], body=BODY
-                )
+                headers = [("content-type", "application/json")]
+                if not streamed:
+                    response = await client.request("POST", path, headers=headers, body=body)
+                    latencies.append(time.perf_counter() - started)
+                    errors += response.status != 200
+                    continue
+                async with client.stream("POST", path, headers=headers, body=body) as stream:
+                    data = await stream.read()
                 latencies.append(time.perf_counter() - started)
-                errors += response.status != 200
+                ended = b"[DONE]" in data[-64:] or b"response.completed" in data[-4096:]
+                errors += stream.status != 200 or not ended
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -125,11 +134,18 @@ def _load(
 
 
 def _measure(
-    base: str, paths: list[str], concurrency: int, seconds: float, calls: int = 0
+    base: str,
+    paths: list[str],
+    concurrency: int,
+    seconds: float,
+    *,
+    calls: int = 0,
+    body: bytes = BODY,
 ) -> dict[str, float]:
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    process = ctx.Process(target=_load, args=(base, paths, concurrency, (seconds, calls), queue))
+    args = (base, paths, concurrency, (seconds, calls, body), queue)
+    process = ctx.Process(target=_load, args=args)
     process.start()
     result: dict[str, float] = queue.get(timeout=seconds + 600)
     process.join()

@@ -18,16 +18,15 @@ receiving side's kernel work.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import statistics
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from harnessrl.bench.gateway import _measure as load
 from harnessrl.bench.gateway import run_loop
 
 PROMPT_IDS = list(range(1000, 2000))
@@ -97,52 +96,6 @@ def standin(port: int) -> None:
     run_loop(main())
 
 
-def _load(target: tuple[str, list[str]], body: bytes, seconds: float, out: Any) -> None:
-    """The load generator (a child process): `concurrency` callers for `seconds`, every
-    answer read to its end; a stream that did not end is an error."""
-    from harnessrl.http import HttpClient
-
-    base, paths = target
-    concurrency = 16
-    streamed = b'"stream":true' in body
-
-    async def main() -> None:
-        client = HttpClient(base, max_connections=concurrency + 4)
-        latencies: list[float] = []
-        errors = 0
-        issued = 0
-        deadline = time.monotonic() + seconds
-
-        async def worker() -> None:
-            nonlocal errors, issued
-            while time.monotonic() < deadline:
-                path = paths[issued % len(paths)]
-                issued += 1
-                started = time.perf_counter()
-                headers = [("content-type", "application/json")]
-                async with client.stream("POST", path, headers=headers, body=body) as response:
-                    data = await response.read()
-                latencies.append(time.perf_counter() - started)
-                ended = b"[DONE]" in data[-64:] or b"response.completed" in data[-4096:]
-                errors += response.status != 200 or (streamed and not ended)
-
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started
-        await client.close()
-        latencies.sort()
-        out.put(
-            {
-                "rps": len(latencies) / elapsed,
-                "errors": errors,
-                "calls": len(latencies),
-                "p50_ms": latencies[len(latencies) // 2] * 1000,
-            }
-        )
-
-    run_loop(main())
-
-
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of process `pid` so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
@@ -152,14 +105,8 @@ def cpu_s(pid: int) -> float:
 def _measure(
     base: str, paths: list[str], body: dict[str, Any], seconds: float, pid: int | None
 ) -> dict[str, float]:
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    args = ((base, paths), orjson.dumps(body), seconds, queue)
     before = cpu_s(pid) if pid else 0.0
-    process = ctx.Process(target=_load, args=args)
-    process.start()
-    result: dict[str, float] = queue.get(timeout=seconds + 600)
-    process.join()
+    result = load(base, paths, 16, seconds, body=orjson.dumps(body))
     if pid:
         result["cpu_ms_per_call"] = (cpu_s(pid) - before) * 1000 / max(1, result["calls"])
     return result

@@ -250,7 +250,7 @@ class _Run:
         decoder = SseDecoder()
         done = failed = False
         try:
-            async for data in response.iter_chunks():
+            while data := await response.read_chunk():
                 out: list[bytes] = []
                 for payload in decoder.feed(data):
                     if payload.strip() == b"[DONE]":

@@ -49,6 +49,11 @@ class StreamResponse:
         self.headers = headers  # lower-case names to values (last one wins)
         self._connection = connection
 
+    async def read_chunk(self) -> bytes:
+        """The body bytes that arrived since the last read, waiting for some; b"" at the
+        body's end (one await per read, for relays that count every step)."""
+        return await self._connection.read_chunk()
+
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive (chunk boundaries are the network's, not the
         sender's). Raises ConnectionClosedError, UpstreamTimeout or ProtocolError."""

@@ -28,7 +28,8 @@ async def pump(
         async for data in chunks:
             if data:
                 transport.write(wire.chunk(data) if chunked else data)
-                await drain()
+                if transport.get_write_buffer_size():  # else there is nothing to wait for
+                    await drain()
     except Exception:
         log.exception("streaming response failed")
         return False
