@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -124,6 +124,30 @@ class Lifecycle:
             raise
         run.end()
         return answer
+
+
+class _Relay:
+    """The harness's stream: `chunks`, and `over` run when it is closed even if it never
+    started (an async generator closed before its first step skips its `finally`: a
+    harness that left while the engine's stream opened would hold its episode open)."""
+
+    __slots__ = ("_chunks", "_over")
+
+    def __init__(
+        self, chunks: AsyncGenerator[bytes, None], over: Callable[[], Awaitable[None]]
+    ) -> None:
+        self._chunks = chunks
+        self._over = over
+
+    def __aiter__(self) -> _Relay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+        await self._over()
 
 
 class _Run:
@@ -235,11 +259,12 @@ class _Run:
         except BaseException:
             await stack.aclose()
             raise
-        return StreamingResponse(200, list(SSE_HEADERS), self._relay(stack, engine, response))
+        relay = _Relay(self._relay(stack, engine, response), lambda: self._over(stack))
+        return StreamingResponse(200, list(SSE_HEADERS), relay)
 
     async def _relay(
         self, stack: AsyncExitStack, engine: str, response: Any
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """The harness's stream: each network read of the engine's stream is translated
         and written as one piece."""
         renderer = self._call.renderer.stream()
@@ -279,10 +304,14 @@ class _Run:
                 self.outcome = "engine_cut"
                 raise ConnectionClosedError(f"{engine}: the stream ended before its [DONE]")
         finally:
-            if self.outcome == "error":
-                self.outcome = "aborted"  # the harness went away mid-stream
-            await stack.aclose()
-            self.end()
+            await self._over(stack)
+
+    async def _over(self, stack: AsyncExitStack) -> None:
+        """End a streamed call (idempotent): its engine stream closed, its books kept."""
+        if self.outcome == "error":
+            self.outcome = "aborted"  # the harness went away mid-stream
+        await stack.aclose()
+        self.end()
 
     def _capture(
         self,

@@ -52,6 +52,8 @@ class GatewayService:
         self._stopping = asyncio.Event()
         self.ready = asyncio.Event()
         self.server: HttpServer | None = None
+        self.app: GatewayApp | None = None
+        """The harness port's request handler, once serving."""
         self.admin_server: HttpServer | None = None
         """The admin port's server, when `gateway.admin_port` is set."""
         self._producer: Producer | None = None
@@ -157,6 +159,7 @@ class GatewayService:
                 health=self.health,
                 max_depth=section.max_json_depth,
             )
+            self.app = app
             self.server = await self._serve(app, section.host, section.port, stack)
             if separate:
                 self.admin_server = await self._serve(

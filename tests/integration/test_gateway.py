@@ -553,3 +553,43 @@ async def test_bodies_are_captured_when_configured(
             call.completion_token_ids
         )
         assert response.status_code == 200 and not call.bodies_truncated
+
+
+async def test_a_harness_gone_before_its_stream_began_leaves_no_call_in_flight(
+    stack: Stack,
+) -> None:
+    """Regression: when the harness leaves while the handler opens the engine's stream, the
+    server closes the streamed answer without ever starting it; the call's end sat in the
+    relay generator's `finally`, which an unstarted generator skips, so the episode kept a
+    call in flight for good and its close never answered."""
+    from harnessrl.http.streaming import aclose
+
+    token = stack.token("ep-gone")
+    body = {"model": "m", "messages": QUESTION, "max_tokens": 4, "stream": True}
+    request = Request(
+        "POST",
+        f"/e/{token}/v1/chat/completions",
+        "",
+        {"content-type": "application/json"},
+        [],
+        orjson.dumps(body),
+        None,
+        "1.1",
+        asyncio.Event(),
+    )
+    assert stack.gateway.app is not None
+    response = await stack.gateway.app(request)
+    assert isinstance(response, StreamingResponse)
+    assert stack.gateway.book.in_flight == 1
+    await aclose(response.chunks)  # what the server does with it once the harness is gone
+    assert stack.gateway.book.in_flight == 0
+    async with httpx.AsyncClient() as http:
+        closed = await asyncio.wait_for(
+            http.post(
+                f"{stack.gateway_url}/admin/episodes/ep-gone/close",
+                headers={"authorization": f"Bearer {ADMIN}"},
+                json={"attempt": 1, "group_id": "g-1"},
+            ),
+            30,
+        )
+    assert closed.json() == {"episode_id": "ep-gone", "attempt": 1, "call_count": 0}
