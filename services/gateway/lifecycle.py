@@ -278,7 +278,7 @@ class _Run:
             while data := await response.read_chunk():
                 out: list[bytes] = []
                 for payload in decoder.feed(data):
-                    if payload.strip() == b"[DONE]":
+                    if payload[:1] != b"{" and payload.strip() == b"[DONE]":
                         done = True
                         break
                     chunk = orjson.loads(payload)

@@ -56,11 +56,8 @@ class SseDecoder:
 def _whole_events(chunk: bytes) -> list[bytes] | None:
     """The payloads of a chunk made of whole one-line `data: ...` events, as engines send
     them (the common case, read without the line machinery); None for anything else."""
-    if b"\r" in chunk:
+    if not chunk.startswith(b"data: ") or b"\r" in chunk:
         return None
-    events = chunk[:-2].split(b"\n\n")
-    for i, event in enumerate(events):
-        if not event.startswith(b"data: ") or b"\n" in event:
-            return None
-        events[i] = event[6:]
-    return events
+    events = chunk[6:-2].split(b"\n\ndata: ")
+    # Two newlines per event, none inside one (no multi-line data, no other field).
+    return events if chunk.count(b"\n") == 2 * len(events) else None

@@ -79,7 +79,7 @@ class PassthroughStream:
         self._render = render
 
     def feed(self, chunk: dict[str, Any]) -> bytes:
-        return b"data: " + orjson.dumps(self._render.harness(chunk)) + b"\n\n"
+        return b"data: %b\n\n" % orjson.dumps(self._render.harness(chunk))
 
     def fail(self, error: dict[str, Any]) -> bytes:
         _, body = OPENAI.engine(500, error)
