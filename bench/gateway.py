@@ -199,6 +199,7 @@ def main(args: argparse.Namespace) -> int:
 
 async def _main(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     from harnessrl.bench.gateway_stream import standin as engine
+    from harnessrl.bench.pipe import pipe
     from harnessrl.broker import EmbeddedBroker, free_port
 
     broker = EmbeddedBroker(port=0)
@@ -208,6 +209,11 @@ async def _main(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         target=engine, args=(engine_port,), daemon=True
     )
     standin.start()
+    pipe_port = free_port()
+    piped = multiprocessing.get_context("spawn").Process(
+        target=pipe, args=(pipe_port, engine_port), daemon=True
+    )
+    piped.start()
     spill = tempfile.mkdtemp(prefix="harnessrl-bench-gateway-")
     env = {
         **os.environ,
@@ -233,16 +239,28 @@ async def _main(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     try:
         await asyncio.to_thread(wait_http, f"http://127.0.0.1:{engine_port}/v1/models")
         await asyncio.to_thread(wait_http, f"http://127.0.0.1:{gateway_port}/healthz")
-        return await asyncio.to_thread(_run, args, engine_port, gateway_port, gateway.pid, log)
+        assert piped.pid is not None
+        pipe_at = (f"http://127.0.0.1:{pipe_port}", piped.pid)
+        await asyncio.to_thread(wait_http, f"{pipe_at[0]}/v1/models")
+        return await asyncio.to_thread(
+            _run, args, engine_port, gateway_port, gateway.pid, log, pipe=pipe_at
+        )
     finally:
         gateway.send_signal(signal.SIGTERM)
         await asyncio.wait_for(gateway.wait(), 60)
+        piped.terminate()
         standin.terminate()
         await broker.stop()
 
 
 def _run(
-    args: argparse.Namespace, engine_port: int, gateway_port: int, gateway_pid: int, log: Any
+    args: argparse.Namespace,
+    engine_port: int,
+    gateway_port: int,
+    gateway_pid: int,
+    log: Any,
+    *,
+    pipe: tuple[str, int],
 ) -> dict[str, Any]:
     direct = (f"http://127.0.0.1:{engine_port}", ["/v1/chat/completions"])
     through = (
@@ -286,6 +304,7 @@ def _run(
             through[0],
             _tokens(),
             pid=gateway_pid,
+            pipe=pipe,
             seconds=args.seconds,
             rounds=args.rounds,
             log=log,

@@ -8,6 +8,11 @@ an engine's decode steps are (so chunks reach the gateway one by one, not coales
 answers non-streamed requests with one canned completion. The load generator reads every
 stream to its end. The gateway's CPU is read from /proc before and after each run: CPU per
 call and per streamed token, at 50 and 2,000 tokens, is the figure the goal is stated in.
+Every row is also run through a byte pipe (bench/pipe.py: bytes copied between sockets in
+the event loop's callbacks, nothing parsed) to the same stand-in, its CPU read the same
+way: the floor any proxy pays per call and per chunk on this machine (woken, one read, one
+write). Each row reports the gateway's CPU, the pipe's, the gateway's CPU per streamed
+token above the pipe's, and the row's CPU over the non-streamed call's in the same run.
 `stream50_burst` sends its chunks with no gap (as an engine's do when the gateway falls
 behind, or when a harness asks for a finished answer as a stream), so they reach the
 gateway coalesced, several to a read: what the gateway costs then is mostly its own Python,
@@ -113,12 +118,21 @@ def _measure(
 
 
 def rows(
-    direct: str, gateway: str, tokens: list[str], *, pid: int, seconds: float, rounds: int, log: Any
+    direct: str,
+    gateway: str,
+    tokens: list[str],
+    *,
+    pid: int,
+    pipe: tuple[str, int],
+    seconds: float,
+    rounds: int,
+    log: Any,
 ) -> dict[str, Any]:
     """At concurrency 16: non-streamed chat (CPU per call), streams of 50 and 2,000 tokens,
     and the Responses API non-streamed and streamed, each against chat straight to the
-    stand-in."""
+    stand-in and through the byte pipe (`pipe`: its URL and process id)."""
     chat_direct = (direct, ["/v1/chat/completions"])
+    chat_pipe = (pipe[0], ["/v1/chat/completions"])
     chat_gateway = (gateway, [f"/e/{t}/v1/chat/completions" for t in tokens])
     responses = (gateway, [f"/e/{t}/v1/responses" for t in tokens])
     cases = {
@@ -130,16 +144,20 @@ def rows(
         "responses_stream50": ({**RESPONSES, "stream": True, "max_output_tokens": 50}, responses),
     }
     result: dict[str, Any] = {}
+    chat_cpu = 1.0  # the first case's, "chat"
     for name, (body, through) in cases.items():
         chat_body: dict[str, Any] = {**CHAT, "stream": body.get("stream", False)}
         if "gap_ms" in body:
             chat_body["gap_ms"] = body["gap_ms"]
         chat_body["max_tokens"] = body.get("max_tokens") or body.get("max_output_tokens")
-        runs: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": []}
+        runs: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": [], "pipe": []}
         for r in range(rounds):
-            for side in ("direct", "gateway") if r % 2 == 0 else ("gateway", "direct"):
+            order = ("direct", "gateway", "pipe") if r % 2 == 0 else ("pipe", "gateway", "direct")
+            for side in order:
                 if side == "direct":
                     runs[side].append(_measure(*chat_direct, chat_body, seconds, None))
+                elif side == "pipe":
+                    runs[side].append(_measure(*chat_pipe, chat_body, seconds, pipe[1]))
                 else:
                     runs[side].append(_measure(*through, body, seconds, pid))
         d = {k: statistics.median(x[k] for x in runs["direct"]) for k in ("p50_ms", "rps")}
@@ -147,18 +165,26 @@ def rows(
             k: statistics.median(x[k] for x in runs["gateway"])
             for k in ("p50_ms", "rps", "cpu_ms_per_call")
         }
+        floor = statistics.median(x["cpu_ms_per_call"] for x in runs["pipe"])
         n = int(chat_body["max_tokens"]) if body.get("stream") else 0
         result[f"{name}_added_p50_ms_c16"] = round(g["p50_ms"] - d["p50_ms"], 3)
         result[f"{name}_rps_direct_c16"] = round(d["rps"], 1)
         result[f"{name}_rps_gateway_c16"] = round(g["rps"], 1)
         result[f"{name}_throughput_ratio_c16"] = round(g["rps"] / d["rps"], 3)
         result[f"{name}_gateway_cpu_ms_per_call"] = round(g["cpu_ms_per_call"], 3)
+        result[f"{name}_pipe_cpu_ms_per_call"] = round(floor, 3)
+        if name == "chat":
+            chat_cpu = g["cpu_ms_per_call"]
+        result[f"{name}_cpu_over_chat"] = round(g["cpu_ms_per_call"] / chat_cpu, 2)
         if n:
             result[f"{name}_gateway_cpu_us_per_token"] = round(g["cpu_ms_per_call"] * 1000 / n, 2)
-        result[f"{name}_errors"] = sum(x["errors"] for x in runs["gateway"] + runs["direct"])
+            above = (g["cpu_ms_per_call"] - floor) * 1000 / n
+            result[f"{name}_gateway_cpu_us_per_token_above_pipe"] = round(above, 2)
+        every = runs["gateway"] + runs["direct"] + runs["pipe"]
+        result[f"{name}_errors"] = sum(x["errors"] for x in every)
         log(
             f"{name}: gateway {g['rps']:,.0f} calls/s p50 {g['p50_ms']:.2f} ms, "
-            f"{g['cpu_ms_per_call']:.3f} ms CPU/call; direct {d['rps']:,.0f} calls/s "
-            f"p50 {d['p50_ms']:.2f} ms"
+            f"{g['cpu_ms_per_call']:.3f} ms CPU/call (pipe {floor:.3f}); direct "
+            f"{d['rps']:,.0f} calls/s p50 {d['p50_ms']:.2f} ms"
         )
     return result
