@@ -1,14 +1,17 @@
 """A ready (or timed-out) group becomes one GroupSamples, deterministically.
 
 Episodes are taken in group order; each is kept or dropped with a reason (invalid, failed,
-reward missing, flagged, too long, incomplete); the kept ones' calls are merged into
-segments from their recorded token ids, the advantages computed from their rewards, and
-every sample stamped with its episode's advantage. Nothing here reads a clock or a random
-source: the same group always gives the same bytes.
+reward missing, flagged, too long, incomplete); the kept ones' calls are merged into chains
+from their recorded token ids (merging.py), the advantages computed from their rewards, and
+every sample of an episode, however many chains it has, stamped with its episode's
+advantage. The group's token books say where each captured completion token went: trained,
+or dropped by merging, by the length limit, with its episode or with the whole group.
+Nothing here reads a clock or a random source: the same group always gives the same bytes.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -18,7 +21,14 @@ from harnessrl.events import varint
 from harnessrl.services.sample_builder.advantages import advantages
 from harnessrl.services.sample_builder.config import SampleBuilderSection
 from harnessrl.services.sample_builder.group import Episode, Group
-from harnessrl.services.sample_builder.merging import BreakKind, Call, Segment, merge, truncate
+from harnessrl.services.sample_builder.merging import (
+    BreakKind,
+    Call,
+    MergeResult,
+    Segment,
+    merge,
+    truncate,
+)
 from harnessrl.v1 import events_pb2 as pb
 
 Decode = Callable[[Sequence[int]], str]
@@ -37,6 +47,9 @@ class Built:
     episodes_dropped: list[pb.DroppedEpisode] = field(default_factory=list)
     merge: pb.MergeStats = field(default_factory=pb.MergeStats)
     truncated: int = 0
+    books: pb.TokenBooks = field(default_factory=pb.TokenBooks)
+    """Where the group's captured completion tokens went (also in `samples.books`)."""
+    dropped_tokens: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +68,7 @@ def build(group: Group, settings: SampleBuilderSection, decode: Decode | None = 
         reason, reward = _verdict(episode, settings)
         if reason is None and val:
             built.rewards.append(reward)  # type: ignore[arg-type]  # not None when kept
+            _drop_tokens(built, episode.every_call, "val")
             continue
         if reason is None:
             assert reward is not None
@@ -62,6 +76,7 @@ def build(group: Group, settings: SampleBuilderSection, decode: Decode | None = 
                 episode, reward, settings=settings, decode=decode, built=built, kept=kept
             )
         if reason is not None:
+            _drop_tokens(built, episode.every_call, reason.partition(":")[0])
             built.episodes_dropped.append(
                 pb.DroppedEpisode(
                     episode_id=episode.episode_id,
@@ -71,27 +86,52 @@ def build(group: Group, settings: SampleBuilderSection, decode: Decode | None = 
                 )
             )
     if val:  # evaluated, never trained on: only its rewards are reported
-        built.dropped = "val"
-        return built
+        return _dropped(built, kept, "val")
     built.rewards = [k.reward for k in kept]
     if len(kept) < settings.min_episodes:
-        built.dropped = "too_few_episodes"
-        return built
+        return _dropped(built, kept, "too_few_episodes")
     advantage = advantages(built.rewards, settings.estimator, eps=settings.eps)
     if advantage is None:
-        built.dropped = "zero_variance"
-        return built
+        return _dropped(built, kept, "zero_variance")
+    _close_books(built, kept, None)
     built.samples = samples = pb.GroupSamples(
         group_id=group.group_id,
         task_id=group.task_id,
         merge=built.merge,
         dropped=built.episodes_dropped,
         estimator=settings.estimator,
+        books=built.books,
     )
     for k, value in zip(kept, advantage, strict=True):
         for index, segment in enumerate(k.segments):
             _fill(samples.samples.add(), k, index, segment, value)  # in place: no copies
     return built
+
+
+def _dropped(built: Built, kept: list[_Kept], reason: str) -> Built:
+    """`built` for a group that is not trained on, for `reason`."""
+    built.dropped = reason
+    _close_books(built, kept, reason)
+    return built
+
+
+def _drop_tokens(built: Built, calls: Sequence[pb.ModelCall], reason: str) -> None:
+    """Count the completion tokens of `calls` (each distinct copy) captured and dropped."""
+    tokens = sum(len(c.completion_token_ids) for c in calls)
+    built.books.captured += tokens
+    built.dropped_tokens[reason] += tokens
+
+
+def _close_books(built: Built, kept: list[_Kept], reason: str | None) -> None:
+    """The kept episodes' tokens trained, or all dropped for the group's `reason`."""
+    trained = sum(s.trained_tokens for k in kept for s in k.segments)
+    if reason is None:
+        built.books.trained = trained
+    else:
+        built.dropped_tokens[reason] += trained
+    for name, tokens in sorted(built.dropped_tokens.items()):
+        if tokens:
+            built.books.dropped[name] = tokens
 
 
 def _verdict(episode: Episode, settings: SampleBuilderSection) -> tuple[str | None, float | None]:
@@ -134,23 +174,52 @@ def _segments(
     except ValueError as err:
         return f"bad_calls:{err}"[:200]
     segments = []
+    cut = 0
     for whole in merged.segments:
         segment = whole
         if len(whole.token_ids) > settings.max_tokens:
             if settings.too_long == "drop":
                 return "too_long"
             segment = truncate(whole, settings.max_tokens)
+            cut += whole.trained_tokens - segment.trained_tokens
             built.truncated += 1
         segments.append(segment)
-    stats = built.merge
-    stats.calls += len(calls)
-    stats.segments += len(segments)
-    stats.break_chat_template += merged.breaks.get(BreakKind.CHAT_TEMPLATE, 0)
-    stats.break_retokenization += merged.breaks.get(BreakKind.RETOKENIZATION, 0)
-    stats.break_other += merged.breaks.get(BreakKind.OTHER, 0)
-    stats.duplicates_replaced += merged.duplicates_replaced
+    _drop_tokens(built, episode.beyond, "beyond_call_count")
+    built.books.captured += merged.captured
+    for reason, tokens in merged.dropped.items():
+        built.dropped_tokens[str(reason)] += tokens
+    built.dropped_tokens["truncated"] += cut
+    _count(built.merge, episode.episode_id, merged, len(calls))
     kept.append(_Kept(episode, reward, segments))
     return None
+
+
+DETAILS = 16
+"""Breaks described in a group's MergeStats (the first ones, in episode order)."""
+
+
+def _count(stats: pb.MergeStats, episode_id: str, merged: MergeResult, calls: int) -> None:
+    counts = merged.break_counts
+    stats.calls += calls
+    stats.segments += len(merged.segments)
+    stats.break_chat_template += counts[BreakKind.CHAT_TEMPLATE]
+    stats.break_retokenization += counts[BreakKind.RETOKENIZATION]
+    stats.break_compaction += counts[BreakKind.COMPACTION]
+    stats.break_side_chain += counts[BreakKind.SIDE_CHAIN]
+    stats.break_other += counts[BreakKind.OTHER]
+    stats.duplicates_replaced += merged.duplicates_replaced
+    stats.seq_conflicts += merged.seq_conflicts
+    stats.temperature_breaks += merged.temperature_breaks
+    for b in merged.breaks[: max(0, DETAILS - len(stats.details))]:
+        stats.details.add(
+            episode_id=episode_id,
+            seq=b.seq,
+            kind=str(b.kind),
+            nearest_seq=max(0, b.nearest_seq),
+            position=b.position,
+            recorded=b.recorded,
+            sent=b.sent,
+        )
 
 
 def _call(call: pb.ModelCall) -> Call:
@@ -162,6 +231,7 @@ def _call(call: pb.ModelCall) -> Call:
         policy_version=call.policy_version,
         temperature=call.temperature,
         span_id=call.span_id,
+        constrained=bool(call.constrained),
     )
 
 

@@ -19,6 +19,9 @@ Key = tuple[str, int]  # (episode id, attempt)
 @dataclass(slots=True)
 class Attempt:
     calls: dict[int, pb.ModelCall] = field(default_factory=dict)
+    """The first copy of each seq."""
+    conflicts: dict[int, list[pb.ModelCall]] = field(default_factory=dict)
+    """Further copies of a seq with other contents (a redelivered copy is the same)."""
     call_count: int | None = None
     """From EpisodeClosed; None until the gateway closed the attempt."""
     finished: pb.EpisodeFinished | None = None
@@ -48,9 +51,30 @@ class Episode:
 
     @property
     def calls(self) -> list[pb.ModelCall]:
-        """Calls with seq below call_count, in seq order."""
-        limit = self.state.call_count if self.state.call_count is not None else 1 << 32
-        return [self.state.calls[s] for s in sorted(self.state.calls) if s < limit]
+        """Calls with seq below call_count, in seq order, each distinct copy of a seq."""
+        return [c for c in self._copies() if c.seq < self._limit]
+
+    @property
+    def beyond(self) -> list[pb.ModelCall]:
+        """Calls numbered at or past the call_count the gateway closed the attempt with
+        (never trained: the close says they were not part of it)."""
+        return [c for c in self._copies() if c.seq >= self._limit]
+
+    @property
+    def every_call(self) -> list[pb.ModelCall]:
+        return self._copies()
+
+    @property
+    def _limit(self) -> int:
+        return self.state.call_count if self.state.call_count is not None else 1 << 32
+
+    def _copies(self) -> list[pb.ModelCall]:
+        state = self.state
+        out = []
+        for seq in sorted(state.calls):
+            out.append(state.calls[seq])
+            out.extend(state.conflicts.get(seq, ()))
+        return out
 
 
 class Group:
@@ -78,7 +102,11 @@ class Group:
         attempt = self._attempts.setdefault(key, Attempt())
         if kind == "model_call":
             call: pb.ModelCall = event  # type: ignore[assignment]
-            attempt.calls.setdefault(call.seq, call)
+            held = attempt.calls.setdefault(call.seq, call)
+            if held is not call and held != call:
+                copies = attempt.conflicts.setdefault(call.seq, [])
+                if all(copy != call for copy in copies):
+                    copies.append(call)
         elif kind == "episode_closed":
             attempt.call_count = event.call_count  # type: ignore[attr-defined]
         elif kind == "episode_finished":

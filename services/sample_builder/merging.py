@@ -1,24 +1,57 @@
-"""One episode's model calls become training segments, every completion token accounted for.
+"""One episode's model calls become training sequences (chains), every completion token
+accounted for.
 
-Training uses the token ids the engine saw and produced; text is never re-encoded. Calls are
-walked in seq order. A call whose prompt ids start with the segment so far (the previous
-call's prompt + completion) extends the segment: the ids in between (tool results, new user
-turns, the next assistant header) get loss mask 0, its completion mask 1 with its behaviour
-log-probs. Any other call, or one sampled at another temperature, closes the segment and
-starts a new one whose whole prompt has mask 0; the break is classified and counted.
+Training uses the token ids the engine saw and produced; text is never re-encoded. Real
+harnesses do more than one linear conversation: a summariser or a sub-agent between two
+main-loop calls, n > 1 choices, retries, compaction, templates that re-render history. So
+the calls are arranged as a tree first, then cut into chains:
 
-Everything here is pure and works on whole arrays: a prefix test is a byte comparison of
-the ids (memcmp), a segment is one concatenation plus a slice per call, and `decode` runs
-only at breaks.
+1. **Parent.** A call's parent is the earlier call (lower seq) whose context (prompt +
+   completion) is the longest prefix of the call's prompt; a call that extends no recorded
+   context is a root. Nothing but the token ids decides: another conversation's call in
+   between never breaks a chain.
+2. **Retries and choices.** Calls with identical prompt ids are alternatives (the choices
+   of one n > 1 request share its span; a retry has its own). Every alternative a later
+   call extends is kept; when none is extended the last is kept; the others are dropped,
+   `unused_choice` (a choice of a request whose other choice was kept) or `retried`.
+3. **Chains.** Each kept call continues its parent's chain unless it was sampled at
+   another temperature (a sequence is trained at one temperature), or a sibling does: of a
+   call's children the one with the longest line of descendants continues (on a tie, the
+   earliest: an older line keeps its chain), the others start chains of their own. A
+   chain's sequence is its last call's prompt + completion: its own calls' completions
+   have loss mask 1 with their behaviour log-probs, everything else (tool results, inserted
+   turns, other chains' completions it carries as context, and the completion of a call
+   sampled under constrained decoding) mask 0. Each completion token is in at most one
+   chain's mask.
+4. **Breaks.** Every chain after the first is a break, classified against the chain begun
+   before it whose context, as it stood then, shares the longest prefix with its prompt:
+   `side_chain` when an older chain goes on after it (a sub-agent, a summariser, a side
+   call) or it branched off a context unchanged; else `retokenization` (the same text in
+   other ids, when a decoder is given), `compaction` (most of the context's inserted text
+   after the first difference is gone: history dropped or summarised), `chat_template`
+   (the first difference lies in or right after a completion and the context's later
+   inserted text reappears: the template re-rendered an assistant turn, such as Qwen3
+   dropping `<think>`), else `other` (an earlier prompt or tool result rewritten in place,
+   a temperature change). A compacted conversation goes on: a call that looks like one but
+   that no later call extends is a side call (a last helper call with the system prompt of
+   the one before); a side conversation of several calls that comes last has nothing after
+   it to tell it from a compaction, and counts as its content says.
+5. **Books.** `captured` is the completion tokens of the distinct calls given; every one is
+   trained (in a chain's mask) or counted in `dropped` by reason, so
+   `captured == trained + sum(dropped.values())` always.
+
+Everything is pure and works on whole arrays: a prefix test is a byte comparison of the ids
+(memcmp) after a cheap check of the last ids, a chain is one concatenation plus a slice per
+call, and `decode` runs only at breaks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from operator import attrgetter
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +64,13 @@ Mask = npt.NDArray[np.bool_]
 Logprobs = npt.NDArray[np.float32]
 
 _U32 = np.dtype(np.uint32)
+_TAIL = 4
+"""Ids compared at the end of a candidate prefix before the full comparison."""
+_WINDOW = 24
+"""Ids decoded on each side of a break's first difference for its report."""
+_SURVIVES = 0.5
+"""Share of the context's inserted ids after a difference that must reappear in the new
+prompt for the break to be a re-render rather than a compaction."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,133 +88,174 @@ class Call:
     policy_version: int
     temperature: float
     span_id: str
-    """Hex span id of the gateway's span for the call (trace link)."""
+    """Hex span id of the gateway's span for the call (trace link; the choices of one
+    request share it)."""
+    constrained: bool = False
+    """Sampled under constrained decoding (ModelCall.constrained): its completion stays in
+    its chain as context, never trained."""
 
 
 class BreakKind(StrEnum):
-    """Why a call did not extend the segment before it (MergeStats' three break counters)."""
+    """Why a chain other than the first started (see the module docstring)."""
 
     CHAT_TEMPLATE = "chat_template"
-    """An earlier assistant turn was re-rendered differently by the chat template."""
     RETOKENIZATION = "retokenization"
-    """The same text came back as different token ids."""
+    COMPACTION = "compaction"
+    SIDE_CHAIN = "side_chain"
     OTHER = "other"
-    """Context rewritten, compacted or truncated, a new conversation, a temperature change."""
+
+
+class Dropped(StrEnum):
+    """Why merging left a call's completion tokens untrained."""
+
+    RETRIED = "retried"
+    UNUSED_CHOICE = "unused_choice"
+    SEQ_CONFLICT = "seq_conflict"
+    """Another copy of the same seq, with other contents, was kept."""
+    CONSTRAINED = "constrained"
+    """Sampled under constrained decoding: log-probs the trainer cannot recompute."""
+
+
+@dataclass(frozen=True, slots=True)
+class Break:
+    """Where one chain started, against the nearest earlier context."""
+
+    kind: BreakKind
+    seq: int
+    """The call that started the chain."""
+    nearest_seq: int
+    """The call whose context it was compared with (-1: there was none)."""
+    position: int
+    """First position where the call's prompt differs from that context."""
+    recorded: str = ""
+    """The context around `position`, decoded (empty without a decoder)."""
+    sent: str = ""
+    """The call's prompt around `position`, decoded."""
+    temperature_change: bool = False
+    """It extends the nearest chain but was sampled at another temperature."""
 
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """One training sequence: the last call's prompt + completion, with masks.
+    """One training sequence (a chain): its last call's prompt + completion, with masks.
 
     Arrays: token_ids uint32 [T], loss_mask bool [T], logprobs float32 [T] (0 where the
-    mask is False). Completion tokens of every call of the segment have mask True.
+    mask is False). Completion tokens of every call of the chain have mask True.
     """
 
     token_ids: Ids
     loss_mask: Mask
     logprobs: Logprobs
     call_seqs: tuple[int, ...]
-    """Seqs of the calls merged into the segment, ascending."""
+    """Seqs of the chain's calls, ascending."""
     policy_version_min: int
     policy_version_max: int
     temperature: float
-    """The one temperature all of the segment's calls were sampled at."""
+    """The one temperature all of the chain's calls were sampled at."""
     span_ids: tuple[str, ...]
-    """Span ids of the segment's calls, in call_seqs order."""
+    """Span ids of the chain's calls, in call_seqs order."""
     truncated: bool = False
     """True when `truncate` cut the segment; the calls are still all listed."""
+
+    @property
+    def trained_tokens(self) -> int:
+        return int(np.count_nonzero(self.loss_mask))
 
 
 @dataclass(frozen=True, slots=True)
 class MergeResult:
-    """The segments of one episode and how they came about."""
+    """The chains of one episode and how they came about."""
 
     segments: list[Segment]
-    break_kinds: tuple[BreakKind, ...]
-    """Why each segment after the first started: break_kinds[i] started segments[i + 1]."""
-    duplicates_replaced: int
-    """Calls dropped because the next call (in seq order) had the same prompt ids."""
-    temperature_breaks: int
-    """Breaks (among break_kinds) forced by a temperature change; counted as OTHER when the
-    prompt did extend the segment, else classified by content as usual."""
-    seq_conflicts: int
-    """Seqs that arrived more than once with different contents (one copy was kept)."""
+    """One per chain, in the order of their first calls."""
+    breaks: tuple[Break, ...]
+    """Why each chain after the first started: breaks[i] started segments[i + 1]."""
+    captured: int
+    """Completion tokens of the distinct calls given (copies of a seq with other contents
+    each count)."""
+    dropped: dict[Dropped, int]
+    """Completion tokens not trained, by reason; every reason is present."""
+    dropped_calls: dict[Dropped, int]
+    """Calls not trained, by reason; every reason is present."""
 
     @property
-    def breaks(self) -> dict[BreakKind, int]:
+    def break_kinds(self) -> tuple[BreakKind, ...]:
+        return tuple(b.kind for b in self.breaks)
+
+    @property
+    def break_counts(self) -> dict[BreakKind, int]:
         """Number of breaks of each kind; every kind is present."""
-        return {kind: self.break_kinds.count(kind) for kind in BreakKind}
+        counts = Counter(self.break_kinds)
+        return {kind: counts[kind] for kind in BreakKind}
+
+    @property
+    def temperature_breaks(self) -> int:
+        """Chains started because the call was sampled at another temperature than the
+        chain it extends (their breaks are OTHER)."""
+        return sum(b.temperature_change for b in self.breaks)
+
+    @property
+    def trained(self) -> int:
+        return sum(s.trained_tokens for s in self.segments)
+
+    @property
+    def duplicates_replaced(self) -> int:
+        """Alternatives dropped (retries and unused choices)."""
+        return self.dropped_calls[Dropped.RETRIED] + self.dropped_calls[Dropped.UNUSED_CHOICE]
+
+    @property
+    def seq_conflicts(self) -> int:
+        return self.dropped_calls[Dropped.SEQ_CONFLICT]
+
+
+@dataclass(slots=True)
+class _Node:
+    call: Call
+    prompt: bytes
+    context: bytes
+    parent: int = -1
+    """Index of the parent node, -1 for a root."""
+    children: list[int] = dataclasses.field(default_factory=list)
+    height: int = 0
+    """Calls on the longest line of descendants from this one."""
+    head: bool = True
+    """Starts a chain."""
 
 
 def merge(calls: Sequence[Call], *, decode: Decode | None = None) -> MergeResult:
-    """Merge one episode attempt's calls into segments.
+    """Merge one episode attempt's calls into chains (see the module docstring).
 
     Calls may come in any order and repeated (redelivered events); the result depends only
-    on the set of calls. The same seq twice is one call; if the copies differ, the copy
-    whose content sorts first (prompt ids, completion ids, log-probs as bytes, then policy
-    version, temperature, span id) is kept and the seq is counted in `seq_conflicts`.
-    Consecutive calls (in seq order) with identical prompt ids are a retry (or the choices
-    of one n>1 request): only the last is kept. `decode` lets breaks be classified as
-    RETOKENIZATION; without it they are CHAT_TEMPLATE or OTHER.
+    on the set of calls. The same seq twice with the same contents is one call; copies
+    with other contents are kept one (the one whose contents sort first: prompt ids,
+    completion ids, log-probs as bytes, then policy version, temperature, span id), the
+    others dropped as `seq_conflict`. `decode` lets breaks be classified as RETOKENIZATION
+    and their surroundings be reported as text.
 
     Raises ValueError, naming the call's seq, when its ids are not 1-D uint32 arrays or
     its log-probs do not match its completion in shape.
     """
     for call in calls:
         _check(call)
-    unique, seq_conflicts = _one_per_seq(calls)
-    kept, replaced = _drop_retries(unique)
-    segments: list[Segment] = []
-    kinds: list[BreakKind] = []
-    temperature_breaks = 0
-    group: list[Call] = []
-    last_prompt = b""  # the segment so far is last_prompt + group[-1]'s completion
-    for call, prompt in kept:
-        if group:
-            last = group[-1]
-            extends = prompt.startswith(last_prompt) and prompt.startswith(
-                last.completion_ids.tobytes(), len(last_prompt)
-            )
-            same_temperature = call.temperature == group[0].temperature
-            if not (extends and same_temperature):
-                context = _ids(last)
-                kinds.append(classify_break(context, call.prompt_ids, _spans(group), decode))
-                temperature_breaks += not same_temperature
-                segments.append(_segment(group, context))
-                group = []
-        group.append(call)
-        last_prompt = prompt
-    if group:
-        segments.append(_segment(group, _ids(group[-1])))
-    return MergeResult(segments, tuple(kinds), replaced, temperature_breaks, seq_conflicts)
-
-
-def classify_break(
-    context_ids: Ids,
-    prompt_ids: Ids,
-    completion_spans: Sequence[tuple[int, int]],
-    decode: Decode | None = None,
-) -> BreakKind:
-    """Why `prompt_ids` does not extend `context_ids` (the segment so far).
-
-    `completion_spans` are the [start, end) positions of the segment's completions in
-    `context_ids`. Checked in order:
-
-    - a prompt that does start with the context is no content break: OTHER (the segment
-      was closed for another reason, such as a temperature change);
-    - RETOKENIZATION: decode(context) is a prefix of decode(prompt), same text in other ids;
-    - CHAT_TEMPLATE: the first differing position lies inside a completion span or at its
-      end, so everything before that completion is unchanged and it was re-rendered;
-    - OTHER: anything else (an earlier prompt or tool result changed, a new conversation).
-    """
-    at = _first_difference(context_ids, prompt_ids)
-    if at == len(context_ids):
-        return BreakKind.OTHER
-    if decode is not None and decode(prompt_ids.tolist()).startswith(decode(context_ids.tolist())):
-        return BreakKind.RETOKENIZATION
-    if any(start <= at <= end for start, end in completion_spans):
-        return BreakKind.CHAT_TEMPLATE
-    return BreakKind.OTHER
+    dropped: Counter[Dropped] = Counter()
+    dropped_calls: Counter[Dropped] = Counter()
+    unique, captured = _one_per_seq(calls, dropped, dropped_calls)
+    nodes = _tree(unique)
+    nodes = _drop_alternatives(nodes, dropped, dropped_calls)
+    chains = _chains(nodes)
+    segments = [_segment([nodes[i].call for i in chain]) for chain in chains]
+    for node in nodes:
+        if node.call.constrained:
+            dropped[Dropped.CONSTRAINED] += len(node.call.completion_ids)
+            dropped_calls[Dropped.CONSTRAINED] += 1
+    breaks = tuple(_break(nodes, chains, k, decode) for k in range(1, len(chains)))
+    return MergeResult(
+        segments=segments,
+        breaks=breaks,
+        captured=captured,
+        dropped={reason: dropped[reason] for reason in Dropped},
+        dropped_calls={reason: dropped_calls[reason] for reason in Dropped},
+    )
 
 
 def truncate(segment: Segment, max_tokens: int) -> Segment:
@@ -197,6 +278,41 @@ def truncate(segment: Segment, max_tokens: int) -> Segment:
     )
 
 
+def classify_break(
+    context_ids: Ids,
+    prompt_ids: Ids,
+    completion_spans: Sequence[tuple[int, int]],
+    decode: Decode | None = None,
+) -> BreakKind:
+    """What replacing `context_ids` (a chain so far) by `prompt_ids` did, by content alone.
+
+    `completion_spans` are the [start, end) positions of the completions in `context_ids`.
+    Checked in order:
+
+    - a prompt that starts with the whole context: OTHER (the chain was left for another
+      reason, such as a temperature change);
+    - RETOKENIZATION: decode(context) is a prefix of decode(prompt), same text in other ids;
+    - COMPACTION: of the inserted ids (outside completions) the context has after the first
+      difference, less than half reappear, in runs, in the rest of the prompt;
+    - CHAT_TEMPLATE: the first difference lies inside a completion span or at its end, so
+      everything before that completion is unchanged and it was re-rendered;
+    - OTHER: anything else (an earlier prompt or tool result changed in place).
+    """
+    at = _first_difference(context_ids, prompt_ids)
+    if at == len(context_ids):
+        return BreakKind.OTHER
+    if decode is not None and decode(prompt_ids.tolist()).startswith(decode(context_ids.tolist())):
+        return BreakKind.RETOKENIZATION
+    if not _survives(context_ids, prompt_ids, completion_spans, at):
+        return BreakKind.COMPACTION
+    if any(start <= at <= end for start, end in completion_spans):
+        return BreakKind.CHAT_TEMPLATE
+    return BreakKind.OTHER
+
+
+# -- the tree ---------------------------------------------------------------------------------
+
+
 def _check(call: Call) -> None:
     # Ids are compared as bytes, so they must all have the same dtype.
     for name, ids in (("prompt_ids", call.prompt_ids), ("completion_ids", call.completion_ids)):
@@ -212,20 +328,32 @@ def _check(call: Call) -> None:
         )
 
 
-def _one_per_seq(calls: Sequence[Call]) -> tuple[list[Call], int]:
-    """One call per seq, ascending, and the number of seqs whose copies differed."""
+def _one_per_seq(
+    calls: Sequence[Call], dropped: Counter[Dropped], dropped_calls: Counter[Dropped]
+) -> tuple[list[Call], int]:
+    """One call per seq, ascending; and the completion tokens of the distinct copies."""
+    by_seq: dict[int, list[Call]] = {}
+    for call in calls:
+        by_seq.setdefault(call.seq, []).append(call)
     unique: list[Call] = []
-    conflicted: set[int] = set()
-    for call in sorted(calls, key=attrgetter("seq")):
-        if not unique or unique[-1].seq != call.seq:
-            unique.append(call)
+    captured = 0
+    for seq in sorted(by_seq):
+        copies = by_seq[seq]
+        if len(copies) == 1:  # the common case: contents need not be compared
+            unique.append(copies[0])
+            captured += len(copies[0].completion_ids)
             continue
-        held, other = _content(unique[-1]), _content(call)
-        if other != held:
-            conflicted.add(call.seq)
-            if other < held:
-                unique[-1] = call
-    return unique, len(conflicted)
+        distinct: dict[tuple[bytes, bytes, bytes, int, float, str], Call] = {}
+        for call in copies:
+            distinct.setdefault(_content(call), call)
+        keep = min(distinct)
+        unique.append(distinct[keep])
+        for content, call in distinct.items():
+            captured += len(call.completion_ids)
+            if content != keep:
+                dropped[Dropped.SEQ_CONFLICT] += len(call.completion_ids)
+                dropped_calls[Dropped.SEQ_CONFLICT] += 1
+    return unique, captured
 
 
 def _content(call: Call) -> tuple[bytes, bytes, bytes, int, float, str]:
@@ -239,19 +367,187 @@ def _content(call: Call) -> tuple[bytes, bytes, bytes, int, float, str]:
     )
 
 
-def _drop_retries(calls: list[Call]) -> tuple[list[tuple[Call, bytes]], int]:
-    """Keep the last of each run of consecutive calls with identical prompt ids; each kept
-    call comes with its prompt ids as bytes."""
-    kept: list[tuple[Call, bytes]] = []
-    replaced = 0
+def _tree(calls: list[Call]) -> list[_Node]:
+    """The calls (ascending seq) as nodes, each with its parent: the earlier call whose
+    context is the longest prefix of its prompt (the latest such call on a tie)."""
+    nodes: list[_Node] = []
+    by_length: list[int] = []  # node indexes, longest context first (latest first on a tie)
     for call in calls:
         prompt = call.prompt_ids.tobytes()
-        if kept and kept[-1][1] == prompt:
-            kept[-1] = (call, prompt)
-            replaced += 1
+        node = _Node(call, prompt, prompt + call.completion_ids.tobytes())
+        for j in by_length:
+            context = nodes[j].context
+            n = len(context)
+            if n > len(prompt) or (n == len(prompt) and not nodes[j].call.completion_ids.size):
+                continue  # longer, or an alternative of this call with an empty completion
+            if prompt[n - _TAIL * 4 if n > _TAIL * 4 else 0 : n] != context[-_TAIL * 4 :]:
+                continue
+            if prompt.startswith(context):
+                node.parent = j
+                break
+        index = len(nodes)
+        nodes.append(node)
+        _insert(by_length, index, nodes)
+    return nodes
+
+
+def _insert(order: list[int], index: int, nodes: list[_Node]) -> None:
+    """Put node `index` into `order` (longest context first, later nodes first on a tie)."""
+    n = len(nodes[index].context)
+    lo, hi = 0, len(order)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(nodes[order[mid]].context) > n:
+            lo = mid + 1
         else:
-            kept.append((call, prompt))
-    return kept, replaced
+            hi = mid
+    order.insert(lo, index)
+
+
+def _drop_alternatives(
+    nodes: list[_Node], dropped: Counter[Dropped], dropped_calls: Counter[Dropped]
+) -> list[_Node]:
+    """The nodes without the alternatives nobody used (re-indexed, children linked)."""
+    extended = {node.parent for node in nodes if node.parent >= 0}
+    alternatives: dict[bytes, list[int]] = {}
+    for i, node in enumerate(nodes):
+        alternatives.setdefault(node.prompt, []).append(i)
+    drop: set[int] = set()
+    for members in alternatives.values():
+        if len(members) < 2:
+            continue
+        used = [i for i in members if i in extended] or members[-1:]
+        spans = {nodes[i].call.span_id for i in used}
+        for i in members:
+            if i in used:
+                continue
+            call = nodes[i].call
+            reason = Dropped.UNUSED_CHOICE if call.span_id in spans else Dropped.RETRIED
+            dropped[reason] += len(call.completion_ids)
+            dropped_calls[reason] += 1
+            drop.add(i)
+    index = {old: new for new, old in enumerate(i for i in range(len(nodes)) if i not in drop)}
+    kept = []
+    for old, node in enumerate(nodes):
+        if old in drop:
+            continue
+        # A dropped node has no children, so every kept node's parent is kept.
+        node.parent = index[node.parent] if node.parent >= 0 else -1
+        kept.append(node)
+    for i, node in enumerate(kept):
+        if node.parent >= 0:
+            kept[node.parent].children.append(i)
+    return kept
+
+
+def _chains(nodes: list[_Node]) -> list[list[int]]:
+    """The chains (node indexes, ascending seq), ordered by their first calls."""
+    for i in range(len(nodes) - 1, -1, -1):  # children come after their parents
+        node = nodes[i]
+        node.height = 1 + max((nodes[c].height for c in node.children), default=0)
+    for node in nodes:
+        same = [c for c in node.children if nodes[c].call.temperature == node.call.temperature]
+        if same:
+            nodes[max(same, key=lambda c: (nodes[c].height, -c))].head = False
+    chains: list[list[int]] = []
+    of: dict[int, int] = {}
+    for i, node in enumerate(nodes):
+        if node.head:
+            of[i] = len(chains)
+            chains.append([i])
+        else:
+            of[i] = of[node.parent]
+            chains[of[i]].append(i)
+    return chains
+
+
+# -- breaks -----------------------------------------------------------------------------------
+
+
+def _break(nodes: list[_Node], chains: list[list[int]], k: int, decode: Decode | None) -> Break:
+    """The break that started chains[k] (k >= 1), against the earlier chains as they stood
+    when its first call came: the one whose last context shares the longest prefix with
+    the call's prompt (the latest on a tie)."""
+    head = chains[k][0]
+    node = nodes[head]
+    prompt_ids = node.call.prompt_ids
+    best, at, chain = -1, -1, chains[0]
+    for earlier in chains[:k]:  # every chain begun before this one has a call before it
+        tip = max(i for i in earlier if i < head)
+        shared = _first_difference(_ids(nodes[tip].call), prompt_ids)
+        if shared > at or (shared == at and tip > best):
+            best, at, chain = tip, shared, earlier
+    last = nodes[best]
+    context_ids = _ids(last.call)
+    changed = False
+    if at == len(context_ids):  # it extends that chain, which went on without it
+        changed = node.call.temperature != last.call.temperature
+        kind = BreakKind.OTHER if changed else BreakKind.SIDE_CHAIN
+    elif _older_goes_on(nodes, head):
+        kind = BreakKind.SIDE_CHAIN
+    else:
+        spans = _spans([nodes[i].call for i in chain if i <= best])
+        kind = classify_break(context_ids, prompt_ids, spans, decode)
+        if kind == BreakKind.COMPACTION and not node.children:
+            kind = BreakKind.SIDE_CHAIN  # a compaction goes on; a call nothing extends is aside
+    recorded = sent = ""
+    if decode is not None:
+        lo = max(0, at - _WINDOW)
+        recorded = decode(context_ids[lo : at + _WINDOW].tolist())
+        sent = decode(prompt_ids[lo : at + _WINDOW].tolist())
+    return Break(kind, node.call.seq, last.call.seq, at, recorded, sent, changed)
+
+
+def _older_goes_on(nodes: list[_Node], head: int) -> bool:
+    """Whether a later call extends a call older than `head` that is not on its own line
+    (the contexts its prompt starts with): a chain begun before it goes on after it."""
+    ancestors = set()
+    at = nodes[head].parent
+    while at >= 0:
+        ancestors.add(at)
+        at = nodes[at].parent
+    return any(
+        0 <= nodes[later].parent < head and nodes[later].parent not in ancestors
+        for later in range(head + 1, len(nodes))
+    )
+
+
+def _survives(context_ids: Ids, prompt_ids: Ids, spans: Sequence[tuple[int, int]], at: int) -> bool:
+    """Whether most of the context's inserted ids from `at` on reappear in the prompt."""
+    inside = np.zeros(len(context_ids), dtype=np.bool_)
+    for start, end in spans:
+        inside[start:end] = True
+    rest = prompt_ids[at:].tobytes()
+    total = found = 0
+    after = at + 1  # the id at `at` itself is the one that changed
+    for start, end in _runs(~inside[after:]):
+        run = context_ids[after + start : after + end]
+        total += len(run)
+        # The run's ends may be tokenized with their neighbours: look for its middle.
+        middle = run[1:-1] if len(run) > 2 else run
+        if _find_ids(rest, middle.tobytes()):
+            found += len(run)
+    return total == 0 or found >= _SURVIVES * total
+
+
+def _runs(mask: Mask) -> list[tuple[int, int]]:
+    """[start, end) of each run of True in `mask`."""
+    padded = np.concatenate(([False], mask, [False]))
+    edges = np.flatnonzero(padded[1:] != padded[:-1])
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+def _find_ids(haystack: bytes, needle: bytes) -> bool:
+    """Whether uint32 ids `needle` occur in `haystack` at an id boundary."""
+    at = haystack.find(needle)
+    while at >= 0:
+        if at % 4 == 0:
+            return True
+        at = haystack.find(needle, at + 1)
+    return False
+
+
+# -- sequences --------------------------------------------------------------------------------
 
 
 def _first_difference(a: Ids, b: Ids) -> int:
@@ -265,28 +561,31 @@ def _ids(call: Call) -> Ids:
     return np.concatenate((call.prompt_ids, call.completion_ids))
 
 
-def _spans(group: list[Call]) -> list[tuple[int, int]]:
-    """[start, end) of each call's completion within the segment's token ids."""
-    return [(len(c.prompt_ids), len(c.prompt_ids) + len(c.completion_ids)) for c in group]
+def _spans(chain: list[Call]) -> list[tuple[int, int]]:
+    """[start, end) of each call's completion within the chain's token ids."""
+    return [(len(c.prompt_ids), len(c.prompt_ids) + len(c.completion_ids)) for c in chain]
 
 
-def _segment(group: list[Call], token_ids: Ids) -> Segment:
-    """The segment of `group`, whose last call's prompt + completion is `token_ids`."""
+def _segment(chain: list[Call]) -> Segment:
+    """The sequence of `chain`: its last call's prompt + completion, with masks."""
+    token_ids = _ids(chain[-1])
     loss_mask = np.zeros(len(token_ids), dtype=np.bool_)
     logprobs = np.zeros(len(token_ids), dtype=np.float32)
-    for call in group:
+    for call in chain:
+        if call.constrained:
+            continue  # context only: mask 0
         start = len(call.prompt_ids)
         end = start + len(call.completion_ids)
         loss_mask[start:end].fill(True)
         logprobs[start:end] = call.logprobs
-    versions = [c.policy_version for c in group]
+    versions = [c.policy_version for c in chain]
     return Segment(
         token_ids=token_ids,
         loss_mask=loss_mask,
         logprobs=logprobs,
-        call_seqs=tuple(c.seq for c in group),
+        call_seqs=tuple(c.seq for c in chain),
         policy_version_min=min(versions),
         policy_version_max=max(versions),
-        temperature=group[0].temperature,
-        span_ids=tuple(c.span_id for c in group),
+        temperature=chain[0].temperature,
+        span_ids=tuple(c.span_id for c in chain),
     )

@@ -41,14 +41,15 @@ class SampleMetrics:
         self.breaks = Labelled(
             Counter(
                 "harnessrl_samples_merge_breaks",
-                "Segment breaks, by class: chat_template, retokenization, other.",
+                "Chain starts, by class: chat_template, retokenization, compaction, "
+                "side_chain, other.",
                 ["kind"],
                 registry=r,
             )
         )
         self.duplicates = Counter(
             "harnessrl_samples_duplicate_calls_replaced",
-            "Retried calls (same prompt ids) replaced by their last retry.",
+            "Alternative calls (same prompt ids: retries, unused choices) not trained.",
             registry=r,
         )
         self.tokens = Labelled(
@@ -56,6 +57,15 @@ class SampleMetrics:
                 "harnessrl_samples_tokens",
                 "Tokens emitted: trained (loss mask 1) or context (mask 0).",
                 ["kind"],
+                registry=r,
+            )
+        )
+        self.completion_tokens = Labelled(
+            Counter(
+                "harnessrl_samples_completion_tokens",
+                "Captured completion tokens, by where they went: trained, or the reason "
+                "they were dropped (the token books).",
+                ["outcome"],
                 registry=r,
             )
         )
@@ -90,7 +100,13 @@ class SampleMetrics:
         merge = built.merge
         self.breaks("chat_template").inc(merge.break_chat_template)
         self.breaks("retokenization").inc(merge.break_retokenization)
+        self.breaks("compaction").inc(merge.break_compaction)
+        self.breaks("side_chain").inc(merge.break_side_chain)
         self.breaks("other").inc(merge.break_other)
+        books = built.books
+        self.completion_tokens("trained").inc(books.trained)
+        for reason, tokens in books.dropped.items():
+            self.completion_tokens(reason).inc(tokens)
         self.duplicates.inc(merge.duplicates_replaced)
         self.truncated.inc(built.truncated)
         self.build_seconds.observe(seconds)

@@ -156,6 +156,9 @@ class SampleBuilderService:
             timed_out=timed_out,
             samples=len(built.samples.samples) if built.samples else 0,
             episodes_dropped=[f"{d.episode_id}:{d.reason}" for d in built.episodes_dropped],
+            tokens_captured=built.books.captured,
+            tokens_trained=built.books.trained,
+            tokens_dropped=dict(built.books.dropped),
         )
         if built.samples is None:
             _release(holds)

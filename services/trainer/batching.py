@@ -33,6 +33,9 @@ class Batcher:
         """One entry per pending group, in arrival order."""
         self.dropped: Counter[str] = Counter()
         """Samples not trained on, by reason ("stale", "trained")."""
+        self.dropped_tokens: Counter[str] = Counter()
+        """Their loss-mask tokens (the trainer's part of the token books): a sample trained
+        already was counted when it was trained, so only "stale" ones are."""
 
     def add(self, group: pb.GroupSamples, *, version: int, trained: Set[str]) -> bool:
         """Take a group's samples (idempotent per sample id) at current policy `version`;
@@ -45,6 +48,7 @@ class Batcher:
                 continue
             if version - sample.policy_version_min > self._max_staleness:
                 self.dropped["stale"] += 1
+                self.dropped_tokens["stale"] += sum(1 for m in sample.loss_mask if m)
                 continue
             arrays = SampleArrays.from_proto(sample)
             entry.samples.append(arrays)
@@ -76,10 +80,13 @@ class Batcher:
             if self._batch_tokens is not None and batch.tokens >= self._batch_tokens:
                 break
             entry = self._pending.pop(0)
-            fresh = [
-                s for s in entry.samples if version - s.policy_version_min <= self._max_staleness
-            ]
-            self.dropped["stale"] += len(entry.samples) - len(fresh)
+            fresh: list[SampleArrays] = []
+            stale: list[SampleArrays] = []
+            for s in entry.samples:
+                keep = version - s.policy_version_min <= self._max_staleness
+                (fresh if keep else stale).append(s)
+            self.dropped["stale"] += len(stale)
+            self.dropped_tokens["stale"] += sum(int(s.loss_mask.sum()) for s in stale)
             batch.samples.extend(fresh)
             batch.groups.extend(entry.groups)
             batch.tokens += sum(len(s.token_ids) for s in fresh)

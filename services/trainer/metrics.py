@@ -53,6 +53,15 @@ class TrainerMetrics:
                 registry=r,
             )
         )
+        self.tokens_dropped = Labelled(
+            Counter(
+                "harnessrl_trainer_tokens_dropped",
+                "Loss-mask tokens of samples the builder emitted that no step trained, by "
+                "reason (stale): the trainer's part of the token books.",
+                ["reason"],
+                registry=r,
+            )
+        )
 
     def observe(self, stats: StepStats, version: int) -> None:
         self.steps.inc()

@@ -222,7 +222,10 @@ class TrainerService:
     def _count_dropped(self) -> None:
         for reason, count in self._batcher.dropped.items():
             self.metrics.samples_dropped(reason).inc(count)
+        for reason, tokens in self._batcher.dropped_tokens.items():
+            self.metrics.tokens_dropped(reason).inc(tokens)
         self._batcher.dropped.clear()
+        self._batcher.dropped_tokens.clear()
 
     async def _train(self, server: WeightSyncServer, engines: EngineWatch) -> None:
         settings = self._settings

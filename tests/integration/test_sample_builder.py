@@ -128,6 +128,15 @@ async def test_groups_from_a_real_harness_run_hold_exactly_the_recorded_tokens(
         seqs = sorted(s for e, s in calls if e == episode)
         recorded = [t for s in seqs for t in calls[(episode, s)].completion_token_ids]
         assert trained == recorded  # every completion token once, in order, trained on
+    # The group's token books: everything captured was trained, as `events tail` shows it.
+    captured = sum(len(c.completion_token_ids) for c in calls.values())
+    assert (group.books.captured, group.books.trained, dict(group.books.dropped)) == (
+        captured,
+        captured,
+        {},
+    )
+    shown = events.to_dict(group)
+    assert shown["books"]["captured"] == str(captured)  # 64-bit counts are strings in JSON
 
 
 def episode_events(group: str, index: int, calls: int, reward: float) -> list[Message]:

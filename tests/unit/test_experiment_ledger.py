@@ -61,7 +61,9 @@ def test_train_figures_steps_and_engines() -> None:
     ledger.apply("model_call", call, 1001.0)
     ledger.apply("episode_finished", finished("e", "g"), 1002.0)
     ledger.apply("reward_assigned", reward("e", "g", 1.0), 1002.0)
-    samples = pb.GroupSamples(group_id="g", merge=pb.MergeStats(calls=2, segments=1))
+    books = pb.TokenBooks(captured=9, trained=5, dropped={"retried": 3, "truncated": 1})
+    merge = pb.MergeStats(calls=2, segments=1, break_side_chain=1)
+    samples = pb.GroupSamples(group_id="g", merge=merge, books=books)
     ledger.apply("group_samples", samples, 1003.0)
     ledger.apply("policy_version", pb.PolicyVersion(version=4, step=4), 1004.0)
     assert ledger.step == 4 and ledger.version == 4
@@ -74,6 +76,10 @@ def test_train_figures_steps_and_engines() -> None:
         {"t": 1.0, "prompt_tokens": 3, "completion_tokens": 2}
     ]
     assert ledger.merge["calls"] == 2 and ledger.merge["segments"] == 1
+    assert ledger.merge["break_side_chain"] == 1
+    assert (ledger.merge["tokens_captured"], ledger.merge["tokens_trained"]) == (9, 5)
+    assert ledger.merge["tokens_dropped_retried"] == 3
+    assert ledger.merge["tokens_dropped_truncated"] == 1
     assert ledger.sampled_episodes() == ["e"]
 
 

@@ -3,6 +3,7 @@ once, nothing else trained on, token ids exactly as the engine saw them, breaks 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from harnessrl.services.sample_builder.merging import (
     BreakKind,
     Call,
+    Dropped,
     MergeResult,
     Segment,
     classify_break,
@@ -31,11 +33,11 @@ PROPERTY = settings(max_examples=150, deadline=None)
 
 
 def assert_same_result(a: MergeResult, b: MergeResult) -> None:
-    assert (a.break_kinds, a.duplicates_replaced, a.temperature_breaks, a.seq_conflicts) == (
-        b.break_kinds,
-        b.duplicates_replaced,
-        b.temperature_breaks,
-        b.seq_conflicts,
+    assert (a.breaks, a.captured, a.dropped, a.dropped_calls) == (
+        b.breaks,
+        b.captured,
+        b.dropped,
+        b.dropped_calls,
     )
     assert len(a.segments) == len(b.segments)
     for x, y in zip(a.segments, b.segments, strict=True):
@@ -66,6 +68,15 @@ def test_merge_produces_the_segments_the_conversation_built(episode: Episode) ->
     assert result.duplicates_replaced == episode.replaced
     assert result.temperature_breaks == episode.temperature_breaks
     assert result.seq_conflicts == 0
+    assert result.captured == episode.captured
+    retried, unused = episode.discarded(choices=False), episode.discarded(choices=True)
+    assert result.dropped == {
+        Dropped.RETRIED: retried,
+        Dropped.UNUSED_CHOICE: unused,
+        Dropped.SEQ_CONFLICT: 0,
+        Dropped.CONSTRAINED: 0,
+    }
+    assert result.trained == episode.captured - retried - unused
     for segment, expected in zip(result.segments, episode.segments, strict=True):
         last = expected.calls[-1]
         assert segment.token_ids.dtype == np.uint32
@@ -109,8 +120,13 @@ def test_merge_ignores_call_order_and_redelivery(episode: Episode, data: st.Data
 @given(episodes())
 @PROPERTY
 def test_an_injective_decode_never_reports_retokenization(episode: Episode) -> None:
-    """Distinct ids always decode to distinct text here, so decoding changes no verdict."""
-    assert_same_result(merge(episode.calls, decode=injective_decode), merge(episode.calls))
+    """Distinct ids always decode to distinct text here, so decoding changes no verdict
+    (only the breaks' surroundings are given as text)."""
+    decoded, plain = merge(episode.calls, decode=injective_decode), merge(episode.calls)
+    assert [dataclasses.replace(b, recorded="", sent="") for b in decoded.breaks] == list(
+        plain.breaks
+    )
+    assert_same_result(dataclasses.replace(decoded, breaks=plain.breaks), plain)
 
 
 def test_merge_masks_tool_output_and_headers_between_turns() -> None:
@@ -137,7 +153,9 @@ def test_same_text_in_other_ids_is_a_retokenization_break() -> None:
     calls = [make_call(0, [4], [2, 3]), make_call(1, [4, 1, 5], [8])]
     result = merge(calls, decode=words)
     assert result.break_kinds == (BreakKind.RETOKENIZATION,)
-    assert result.breaks[BreakKind.RETOKENIZATION] == 1
+    assert result.break_counts[BreakKind.RETOKENIZATION] == 1
+    [b] = result.breaks
+    assert (b.seq, b.nearest_seq, b.position, b.recorded, b.sent) == (1, 0, 1, "cab", "cab<t>")
     assert [s.token_ids.tolist() for s in result.segments] == [[4, 2, 3], [4, 1, 5, 8]]
     # Without a decoder it cannot be told apart: the first difference is in the completion.
     assert merge(calls).break_kinds == (BreakKind.CHAT_TEMPLATE,)
@@ -151,32 +169,57 @@ def test_stripped_reasoning_in_an_earlier_turn_is_a_chat_template_break() -> Non
     ]
     result = merge(calls, decode=words)
     assert result.break_kinds == (BreakKind.CHAT_TEMPLATE,)
-    assert result.breaks == {
-        BreakKind.CHAT_TEMPLATE: 1,
-        BreakKind.RETOKENIZATION: 0,
-        BreakKind.OTHER: 0,
-    }
+    assert result.break_counts == {kind: kind == BreakKind.CHAT_TEMPLATE for kind in BreakKind}
     assert [s.call_seqs for s in result.segments] == [(0, 1), (2,)]
 
 
-def test_compaction_that_drops_a_tool_result_is_another_break() -> None:
+def test_a_compaction_from_the_first_assistant_turn_is_a_compaction() -> None:
     calls = [
-        make_call(0, [4], [2]),
-        make_call(1, [4, 2, 5, 8, 8, 8, 5], [3]),  # tool result "xxx"
-        make_call(2, [4, 2, 5, 5, 3, 5], [1]),  # tool result dropped
+        make_call(0, [4], [2, 2]),
+        make_call(1, [4, 2, 2, 5, 8, 8, 8, 5], [3]),  # tool result "xxx"
+        make_call(2, [4, 2, 5, 5, 3, 5], [1]),  # the turns from the first reply summarised
+        make_call(3, [4, 2, 5, 5, 3, 5, 1, 5], [2]),  # and the conversation goes on
     ]
     result = merge(calls, decode=words)
-    assert result.break_kinds == (BreakKind.OTHER,)
-    assert [s.call_seqs for s in result.segments] == [(0, 1), (2,)]
-    assert result.segments[1].loss_mask.tolist() == [False] * 6 + [True]
+    assert result.break_kinds == (BreakKind.COMPACTION,)
+    assert [s.call_seqs for s in result.segments] == [(0, 1), (2, 3)]
+    assert result.segments[1].loss_mask.tolist() == [False] * 6 + [True, False, True]
+    # One that nothing extends cannot be told from a side call with the same beginning.
+    assert merge(calls[:3], decode=words).break_kinds == (BreakKind.SIDE_CHAIN,)
+
+
+def test_a_branch_keeps_the_longer_line_in_its_chain() -> None:
+    """A call that extends an earlier call's whole context, not its chain's last one, is a
+    branch there (a rewind, or a side call on the conversation so far): the longer line
+    keeps the chain, the other is a side chain; the sequences are the same either way."""
+    calls = [
+        make_call(0, [4], [2]),
+        make_call(1, [4, 2, 5, 8, 8, 8, 5], [3]),  # this line ends here
+        make_call(2, [4, 2, 5, 5], [1]),  # branches from call 0
+        make_call(3, [4, 2, 5, 5, 1, 5], [2]),
+    ]
+    result = merge(calls)
+    assert [s.call_seqs for s in result.segments] == [(0, 2, 3), (1,)]
+    assert result.break_kinds == (BreakKind.SIDE_CHAIN,)
+    assert [s.token_ids.tolist() for s in result.segments] == [
+        [4, 2, 5, 5, 1, 5, 2],
+        [4, 2, 5, 8, 8, 8, 5, 3],
+    ]
+    assert result.segments[1].loss_mask.tolist() == [False] * 7 + [True]
 
 
 def test_a_difference_right_after_a_completion_counts_as_chat_template() -> None:
     context = np.array([4, 2, 3, 5, 8], dtype=np.uint32)
     prompt = np.array([4, 2, 3, 7, 8], dtype=np.uint32)
     assert classify_break(context, prompt, [(1, 3), (4, 5)]) == BreakKind.CHAT_TEMPLATE
-    assert classify_break(context, prompt[:1], [(1, 3), (4, 5)]) == BreakKind.CHAT_TEMPLATE
-    assert classify_break(context, np.array([9], dtype=np.uint32), [(1, 3)]) == BreakKind.OTHER
+    # Inserted text after the difference that is gone is a compaction, wherever it starts.
+    assert classify_break(context, prompt[:1], [(1, 3), (4, 5)]) == BreakKind.COMPACTION
+    assert classify_break(context, np.array([9], dtype=np.uint32), [(1, 3)]) == (
+        BreakKind.COMPACTION
+    )
+    # An inserted id changed in place, the rest kept: a rewrite.
+    rewritten = np.array([7, 2, 3, 5, 8], dtype=np.uint32)
+    assert classify_break(context, rewritten, [(1, 3)]) == BreakKind.OTHER
 
 
 def test_a_temperature_change_starts_a_segment_counted_as_other() -> None:

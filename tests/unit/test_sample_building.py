@@ -161,8 +161,8 @@ class _Episode:
 
     def final(self, attempt: int, unique: Iterable[int], reward: pb.RewardAssigned) -> Episode:
         """The final attempt: 1-6 calls (rarely none) that mostly extend the context; some
-        break it (a fresh marker id cut into the context), some retry the call before (same
-        prompt)."""
+        break it (a context starting with a fresh marker id), some retry the call before
+        (same prompt)."""
         draw, fresh = self.draw, iter(unique)
         calls: list[pb.ModelCall] = []
         segments: list[Segment] = []
@@ -181,14 +181,8 @@ class _Episode:
                 prompt = [*calls[-1].prompt_token_ids, *calls[-1].completion_token_ids, *inserted]
             elif action == "retry":
                 prompt, inserted = list(calls[-1].prompt_token_ids), segments[-1].pieces[-1][0]
-            else:
-                context = [*calls[-1].prompt_token_ids, *calls[-1].completion_token_ids]
-                cut = draw(st.integers(0, len(context) - 1))
-                prompt = inserted = [
-                    *context[:cut],
-                    next(fresh),
-                    *draw(st.lists(VOCAB, max_size=4)),
-                ]
+            else:  # a context of its own (where breaks fall is test_merging.py's business)
+                prompt = inserted = [next(fresh), *draw(st.lists(VOCAB, max_size=4))]
             call = self.call(attempt, seq, prompt, completion)
             calls.append(call)
             if action in ("start", "break"):
@@ -418,6 +412,7 @@ def check(
             arrived = len(set(case.indices(episode.index, ["model_call"])) & present)
             dropped.append((episode.episode_id, episode.attempt, reason, arrived))
     assert [(d.episode_id, d.attempt, d.reason, d.calls) for d in built.episodes_dropped] == dropped
+    check_books(case, built, listed, present)
     if val:
         assert (built.samples, built.dropped, built.rewards) == (None, "val", val_rewards)
         assert built.merge == pb.MergeStats()
@@ -429,7 +424,9 @@ def check(
     assert stats.calls == sum(len(e.calls) for e, _ in kept)
     assert stats.segments == len(segments)
     assert stats.duplicates_replaced == sum(len(e.replaced) for e, _ in kept)
-    assert stats.break_chat_template + stats.break_other == sum(e.breaks for e, _ in kept)
+    assert stats.break_chat_template + stats.break_other + stats.break_compaction + (
+        stats.break_side_chain
+    ) == sum(e.breaks for e, _ in kept)
     assert stats.break_retokenization == 0  # no decoder given
     assert built.truncated == sum(too_long(g, s) for g in segments)
     if len(kept) < s.min_episodes:
@@ -439,6 +436,24 @@ def check(
     else:
         assert built.dropped is None and built.samples is not None
         check_samples(case, s, built, kept)
+
+
+def check_books(case: Case, built: Built, listed: list[Episode], present: set[int]) -> None:
+    """Every completion token of the final attempts' calls that arrived is trained (mask 1
+    in a sample) or dropped with a reason, once."""
+    arrived = {i for e in listed for i in case.indices(e.index, ["model_call"]) if i in present}
+    books = built.books
+    assert books.captured == sum(
+        len(case.events[i].message.completion_token_ids)  # type: ignore[attr-defined]
+        for i in arrived
+    )
+    assert books.captured == books.trained + sum(books.dropped.values())
+    assert all(tokens > 0 for tokens in books.dropped.values())
+    if built.samples is None:  # nothing of the group is trained on
+        assert books.trained == 0
+        return
+    assert built.samples.books == books
+    assert books.trained == sum(sum(sample.loss_mask) for sample in built.samples.samples)
 
 
 def check_samples(

@@ -27,9 +27,11 @@ def test_a_sample_that_grew_stale_while_waiting_is_dropped_when_the_batch_is_tak
     assert batcher.add(group("new", 5), version=5, trained=set())
     assert not batcher.add(group("too-old", 1), version=5, trained=set())  # 4 behind
     assert batcher.dropped["stale"] == 1
+    assert batcher.dropped_tokens["stale"] == 2  # its loss-mask tokens
     first = batcher.take(version=6)  # "old" is 3 behind now
     assert [g.group_id for g in first.groups] == ["old"]
     assert first.samples == [] and first.tokens == 0
     assert batcher.dropped["stale"] == 2
+    assert batcher.dropped_tokens["stale"] == 4
     second = batcher.take(version=6)
     assert [s.sample_id for s in second.samples] == ["new/0"] and second.tokens == 3

@@ -58,6 +58,10 @@ class Step:
     version: int
 
 
+BREAKS = ("chat_template", "retokenization", "compaction", "side_chain", "other")
+"""The sample builder's break classes (MergeStats.break_<name>)."""
+
+
 class Ledger:
     """The run as the topics tell it."""
 
@@ -89,8 +93,14 @@ class Ledger:
                 self.emitted.append(event.group_id)
                 for name in ("calls", "segments", "duplicates_replaced"):
                     self.merge[name] += getattr(event.merge, name)
-                for name in ("chat_template", "retokenization", "other"):
+                for name in BREAKS:
                     self.merge[f"break_{name}"] += getattr(event.merge, f"break_{name}")
+                # The token books: where the captured completion tokens went.
+                books = event.books
+                self.merge["tokens_captured"] += books.captured
+                self.merge["tokens_trained"] += books.trained
+                for reason, tokens in sorted(books.dropped.items()):
+                    self.merge[f"tokens_dropped_{reason}"] += tokens
         elif getattr(event, "group_id", "") in self.groups:
             self._episode_event(kind, event, at)
 

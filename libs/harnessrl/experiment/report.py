@@ -32,7 +32,9 @@ _HELP = {
     "Trainer": "Loss (left axis) and policy entropy (right axis) per optimizer step; "
     "entropy falling to zero fast usually means the policy collapsed.",
     "Groups and merging": "What happened to each group of episodes (only emitted groups "
-    "reach the trainer), and how model calls were merged into training segments.",
+    "reach the trainer), how model calls were merged into training sequences (chains; a "
+    "break starts a new one, by class), and the token books of the emitted groups: "
+    "completion tokens captured, trained, and dropped by reason.",
 }
 """One or two sentences per dashboard panel, for the HTML's "How to read this"."""
 
@@ -190,7 +192,7 @@ def _plot_trainer(ax: Axes, steps: Sequence[Mapping[str, Any]]) -> None:
 
 def _plot_groups(ax: Axes, groups: Mapping[str, Any], merge: Mapping[str, Any]) -> None:
     ax.set_title("Groups and merging")
-    if not groups and not merge["calls"]:
+    if not groups and not merge.get("calls"):
         _no_data(ax)
         return
     names = list(groups)

@@ -440,6 +440,7 @@ class ModelCall(_message.Message):
     REQUEST_BODY_FIELD_NUMBER: _builtins.int
     RESPONSE_BODY_FIELD_NUMBER: _builtins.int
     BODIES_TRUNCATED_FIELD_NUMBER: _builtins.int
+    CONSTRAINED_FIELD_NUMBER: _builtins.int
     episode_id: _builtins.str
     """Episode the call belongs to, from the episode token."""
     attempt: _builtins.int
@@ -482,6 +483,13 @@ class ModelCall(_message.Message):
     """
     bodies_truncated: _builtins.bool
     """True when request_body or response_body was cut at the capture cap."""
+    constrained: _builtins.str
+    """How the engine's sampling was constrained beyond the policy's own distribution, for a
+    train call ("" when it was not): "response_format", "guided_decoding" or "tool_choice"
+    (structured outputs). The recorded log-probs are then of the constrained distribution,
+    which the trainer cannot recompute: the sample builder keeps the call's completion in
+    its chain with loss mask 0 (token books reason "constrained").
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids exactly as the engine tokenized and saw them (packed)."""
@@ -527,10 +535,11 @@ class ModelCall(_message.Message):
         request_body: _builtins.bytes = ...,
         response_body: _builtins.bytes = ...,
         bodies_truncated: _builtins.bool = ...,
+        constrained: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api", b"api", "attempt", b"attempt", "bodies_truncated", b"bodies_truncated", "completion_logprobs", b"completion_logprobs", "completion_token_ids", b"completion_token_ids", "engine", b"engine", "episode_id", b"episode_id", "finish_reason", b"finish_reason", "group_id", b"group_id", "latency_ms", b"latency_ms", "mode", b"mode", "model", b"model", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "request_body", b"request_body", "response_body", b"response_body", "seq", b"seq", "span_id", b"span_id", "started_at", b"started_at", "stream", b"stream", "temperature", b"temperature", "top_p", b"top_p", "trace_id", b"trace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api", b"api", "attempt", b"attempt", "bodies_truncated", b"bodies_truncated", "completion_logprobs", b"completion_logprobs", "completion_token_ids", b"completion_token_ids", "constrained", b"constrained", "engine", b"engine", "episode_id", b"episode_id", "finish_reason", b"finish_reason", "group_id", b"group_id", "latency_ms", b"latency_ms", "mode", b"mode", "model", b"model", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "request_body", b"request_body", "response_body", b"response_body", "seq", b"seq", "span_id", b"span_id", "started_at", b"started_at", "stream", b"stream", "temperature", b"temperature", "top_p", b"top_p", "trace_id", b"trace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -782,18 +791,39 @@ class MergeStats(_message.Message):
     BREAK_RETOKENIZATION_FIELD_NUMBER: _builtins.int
     BREAK_OTHER_FIELD_NUMBER: _builtins.int
     DUPLICATES_REPLACED_FIELD_NUMBER: _builtins.int
+    BREAK_COMPACTION_FIELD_NUMBER: _builtins.int
+    BREAK_SIDE_CHAIN_FIELD_NUMBER: _builtins.int
+    SEQ_CONFLICTS_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_BREAKS_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
     calls: _builtins.int
     """Calls considered (final attempts of kept episodes)."""
     segments: _builtins.int
-    """Segments produced."""
+    """Sequences (chains) produced."""
     break_chat_template: _builtins.int
     """Segment breaks where an earlier turn was re-rendered differently by the chat template."""
     break_retokenization: _builtins.int
     """Segment breaks where the same text was tokenized into different ids."""
     break_other: _builtins.int
-    """Segment breaks for any other reason (context rewritten, compaction, truncation)."""
+    """Segment breaks for any other reason (an earlier prompt or tool result rewritten in
+    place, a temperature change).
+    """
     duplicates_replaced: _builtins.int
-    """Retried duplicate calls (same prompt ids) that were replaced by their last retry."""
+    """Alternatives not trained: retried calls and unused choices (same prompt ids as a kept
+    call that later calls extended, or that came last).
+    """
+    break_compaction: _builtins.int
+    """Chain starts where most of the context's inserted text was dropped or summarised."""
+    break_side_chain: _builtins.int
+    """Chain starts while an older chain goes on after them (sub-agents, side calls)."""
+    seq_conflicts: _builtins.int
+    """Seqs delivered more than once with different contents (one copy kept)."""
+    temperature_breaks: _builtins.int
+    """Chain starts forced by a temperature change (counted in break_other too)."""
+    @_builtins.property
+    def details(self) -> _containers.RepeatedCompositeFieldContainer[Global___BreakDetail]:
+        """The first breaks of the group, where they happened (at most 16)."""
+
     def __init__(
         self,
         *,
@@ -803,14 +833,124 @@ class MergeStats(_message.Message):
         break_retokenization: _builtins.int = ...,
         break_other: _builtins.int = ...,
         duplicates_replaced: _builtins.int = ...,
+        break_compaction: _builtins.int = ...,
+        break_side_chain: _builtins.int = ...,
+        seq_conflicts: _builtins.int = ...,
+        temperature_breaks: _builtins.int = ...,
+        details: _abc.Iterable[Global___BreakDetail] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["break_chat_template", b"break_chat_template", "break_other", b"break_other", "break_retokenization", b"break_retokenization", "calls", b"calls", "duplicates_replaced", b"duplicates_replaced", "segments", b"segments"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["break_chat_template", b"break_chat_template", "break_compaction", b"break_compaction", "break_other", b"break_other", "break_retokenization", b"break_retokenization", "break_side_chain", b"break_side_chain", "calls", b"calls", "details", b"details", "duplicates_replaced", b"duplicates_replaced", "segments", b"segments", "seq_conflicts", b"seq_conflicts", "temperature_breaks", b"temperature_breaks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___MergeStats: _TypeAlias = MergeStats  # noqa: Y015
+
+@_typing.final
+class BreakDetail(_message.Message):
+    """Where one chain started: the first position its first call's prompt differs from the
+    nearest earlier context, with both sides decoded when the builder has a tokenizer.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPISODE_ID_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    NEAREST_SEQ_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    RECORDED_FIELD_NUMBER: _builtins.int
+    SENT_FIELD_NUMBER: _builtins.int
+    episode_id: _builtins.str
+    """Episode the break is in."""
+    seq: _builtins.int
+    """Seq of the call that started the chain."""
+    kind: _builtins.str
+    """"chat_template", "retokenization", "compaction", "side_chain" or "other"."""
+    nearest_seq: _builtins.int
+    """Seq of the call whose context it was compared with."""
+    position: _builtins.int
+    """First differing token position."""
+    recorded: _builtins.str
+    """That context around the position, decoded ("" without a tokenizer)."""
+    sent: _builtins.str
+    """The call's prompt around the position, decoded."""
+    def __init__(
+        self,
+        *,
+        episode_id: _builtins.str = ...,
+        seq: _builtins.int = ...,
+        kind: _builtins.str = ...,
+        nearest_seq: _builtins.int = ...,
+        position: _builtins.int = ...,
+        recorded: _builtins.str = ...,
+        sent: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "kind", b"kind", "nearest_seq", b"nearest_seq", "position", b"position", "recorded", b"recorded", "sent", b"sent", "seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BreakDetail: _TypeAlias = BreakDetail  # noqa: Y015
+
+@_typing.final
+class TokenBooks(_message.Message):
+    """Where every completion token a group's calls captured went, in tokens:
+    captured = trained + sum(dropped). Reasons: retried, unused_choice, seq_conflict,
+    beyond_call_count, truncated, the episode's drop reason (invalid, failed, flagged,
+    reward_missing, too_long, incomplete, no_calls, bad_calls, ...), and for a whole group
+    val, zero_variance or too_few_episodes.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class DroppedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    CAPTURED_FIELD_NUMBER: _builtins.int
+    TRAINED_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
+    captured: _builtins.int
+    """Completion tokens of the distinct calls of the group's final attempts."""
+    trained: _builtins.int
+    """Of those, tokens with loss mask 1 in the group's samples."""
+    @_builtins.property
+    def dropped(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """The rest, by reason."""
+
+    def __init__(
+        self,
+        *,
+        captured: _builtins.int = ...,
+        trained: _builtins.int = ...,
+        dropped: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["captured", b"captured", "dropped", b"dropped", "trained", b"trained"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenBooks: _TypeAlias = TokenBooks  # noqa: Y015
 
 @_typing.final
 class DroppedEpisode(_message.Message):
@@ -862,6 +1002,7 @@ class GroupSamples(_message.Message):
     ESTIMATOR_FIELD_NUMBER: _builtins.int
     SPAN_ID_FIELD_NUMBER: _builtins.int
     TRACE_ID_FIELD_NUMBER: _builtins.int
+    BOOKS_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     """Group the samples come from (record key)."""
     task_id: _builtins.str
@@ -884,6 +1025,10 @@ class GroupSamples(_message.Message):
     def dropped(self) -> _containers.RepeatedCompositeFieldContainer[Global___DroppedEpisode]:
         """Episodes that contributed no sample, with the reason."""
 
+    @_builtins.property
+    def books(self) -> Global___TokenBooks:
+        """Where the group's captured completion tokens went."""
+
     def __init__(
         self,
         *,
@@ -895,10 +1040,11 @@ class GroupSamples(_message.Message):
         estimator: _builtins.str = ...,
         span_id: _builtins.str = ...,
         trace_id: _builtins.str = ...,
+        books: Global___TokenBooks | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["merge", b"merge"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["books", b"books", "merge", b"merge"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "estimator", b"estimator", "group_id", b"group_id", "merge", b"merge", "samples", b"samples", "span_id", b"span_id", "task_id", b"task_id", "trace_id", b"trace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["books", b"books", "dropped", b"dropped", "estimator", b"estimator", "group_id", b"group_id", "merge", b"merge", "samples", b"samples", "span_id", b"span_id", "task_id", b"task_id", "trace_id", b"trace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
