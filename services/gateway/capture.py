@@ -51,6 +51,8 @@ class Exchange:
     """The harness's body, already capped (empty unless body capture is on)."""
     response_body: bytes = b""
     bodies_truncated: bool = False
+    constrained: str = ""
+    """How a train call's decoding was constrained (contract.constrained), "" if not."""
 
 
 def take(data: dict[str, Any], chat: bool, completions: dict[int, Completion]) -> None:
@@ -110,6 +112,7 @@ def model_calls(
             request_body=exchange.request_body,
             response_body=exchange.response_body,
             bodies_truncated=exchange.bodies_truncated,
+            constrained=exchange.constrained,
         )
         call.started_at.FromNanoseconds(exchange.started_ns)
         calls.append(call)

@@ -16,9 +16,14 @@ class SamplingOverrides(Section):
     """Temperature the engine samples with."""
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     """Nucleus top_p the engine samples with."""
+    neutral: dict[str, float | int] = {}
+    """Sampling fields sent with these values whatever the harness asked, so the engine
+    cannot fill them from elsewhere (vLLM fills an omitted field from the model's
+    generation_config.json unless started with `--generation-config vllm`: Qwen3 ships
+    top_k 20)."""
     drop: list[str] = []
     """Request fields removed before the engine sees them (sampling settings the trainer's
-    recomputed log-probs would not reflect)."""
+    recomputed log-probs would not reflect, and that have no neutral value to send)."""
 
 
 class GatewaySection(ServiceSection):
@@ -65,21 +70,20 @@ class GatewaySection(ServiceSection):
     train: SamplingOverrides = SamplingOverrides(
         temperature=1.0,
         top_p=1.0,
-        drop=[
-            "top_k",
-            "min_p",
-            "typical_p",
-            "logit_bias",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "min_tokens",
-            "bad_words",
-            "allowed_token_ids",
-        ],
+        neutral={
+            "top_k": -1,
+            "min_p": 0.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,
+            "min_tokens": 0,
+        },
+        drop=["typical_p", "logit_bias", "bad_words", "allowed_token_ids", "logits_processors"],
     )
     """Sampling forced on training episodes: by default the policy's own distribution (the
-    trainer recomputes log-probs at the recorded temperature and nothing else)."""
+    trainer recomputes log-probs at the recorded temperature and nothing else): neutral
+    values sent for every control vLLM has (its defaults: top_k -1, min_p 0, penalties 0
+    and repetition 1), the rest dropped."""
     val: SamplingOverrides = SamplingOverrides()
     """Sampling forced on validation episodes (default: the harness's own settings)."""
     capture_bodies: bool = False

@@ -4,7 +4,10 @@ Every dialect translates its request into an engine request in OpenAI's chat-com
 completions shape; `engine_request` then applies the inference contract: the engine's model
 name, exact token ids and log-probs (vLLM's `return_token_ids` and `logprobs`; never
 `include_reasoning: false`, which drops ids in vLLM), and the sampling the episode's mode
-forces (train calls sample the policy's own distribution).
+forces (train calls sample the policy's own distribution: neutral values sent for every
+sampling control, so vLLM cannot fill them from the model's generation config). A train call
+whose decoding is constrained (`constrained`) is still served, and marked so on its
+ModelCall: its completion is never trained.
 """
 
 from __future__ import annotations
@@ -36,9 +39,35 @@ def engine_request(
         upstream["temperature"] = overrides.temperature
     if overrides.top_p is not None:
         upstream["top_p"] = overrides.top_p
+    upstream.update(overrides.neutral)
     for name in overrides.drop:
         upstream.pop(name, None)
     return upstream
+
+
+_GUIDED = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_whitespace_pattern",
+)
+
+
+def constrained(body: dict[str, Any]) -> str:
+    """How an engine request constrains sampling beyond the model's distribution ("": it
+    does not): a JSON response format, vLLM's guided decoding, or a tool choice that forces
+    a tool (vLLM decodes those as structured outputs)."""
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
+        return "response_format"
+    if any(body.get(name) is not None for name in _GUIDED):
+        return "guided_decoding"
+    tool_choice = body.get("tool_choice")
+    if body.get("tools") and (tool_choice == "required" or isinstance(tool_choice, dict)):
+        return "tool_choice"
+    return ""
 
 
 def policy_version(header: str | None, loaded: int) -> int:

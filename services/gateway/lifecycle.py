@@ -39,6 +39,7 @@ from harnessrl.services.gateway.config import GatewaySection
 from harnessrl.services.gateway.contract import (
     CHAT_PATH,
     VERSION_HEADER,
+    constrained,
     engine_request,
     policy_version,
 )
@@ -343,6 +344,7 @@ class _Run:
             request_body=self._raw[:cap],
             response_body=response_body[:cap],
             bodies_truncated=cap > 0 and (len(self._raw) > cap or len(response_body) > cap),
+            constrained=constrained(self._upstream) if self._claims.mode == "train" else "",
         )
         calls = model_calls(exchange, completions, episode.calls)
         for call in calls:

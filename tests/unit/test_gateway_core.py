@@ -57,11 +57,34 @@ def test_train_calls_sample_the_policys_own_distribution() -> None:
     section = GatewaySection()
     train = engine_request(body, CHAT_PATH, "tiny", section.train)
     assert train["temperature"] == 1.0 and train["top_p"] == 1.0
-    assert not {"top_k", "logit_bias", "presence_penalty", "min_p"} & set(train)
-    assert "repetition_penalty" not in train
+    # Every control vLLM has is sent neutral, so none comes from the model's
+    # generation_config.json (Qwen3's top_k 20) when the harness leaves it out.
+    neutral = {"top_k": -1, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    neutral |= {"repetition_penalty": 1.0, "min_tokens": 0}
+    assert {k: train[k] for k in neutral} == neutral
+    for omitted in ({"model": "m", "messages": []}, body):
+        sent = engine_request(omitted, CHAT_PATH, "tiny", section.train)
+        assert {k: sent[k] for k in neutral} == neutral
+    assert "logit_bias" not in train  # no neutral value but absence
     assert train["seed"] == 3 and train["stop"] == ["x"]  # not the distribution: kept
     val = engine_request(body, CHAT_PATH, "tiny", section.val)  # val: the harness's own settings
     assert val["top_k"] == 5 and val["logit_bias"] == {"7": 100}
+
+
+def test_constrained_decoding_is_told_from_free_sampling() -> None:
+    from harnessrl.services.gateway.contract import constrained
+
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert constrained({"messages": []}) == ""
+    assert constrained({"response_format": {"type": "text"}}) == ""
+    assert constrained({"response_format": {"type": "json_schema"}}) == "response_format"
+    assert constrained({"response_format": {"type": "json_object"}}) == "response_format"
+    assert constrained({"guided_json": {"type": "object"}}) == "guided_decoding"
+    assert constrained({"structured_outputs": {"regex": "a+"}}) == "guided_decoding"
+    assert constrained({"tools": tools, "tool_choice": "auto"}) == ""
+    assert constrained({"tools": tools, "tool_choice": "required"}) == "tool_choice"
+    forced = {"type": "function", "function": {"name": "f"}}
+    assert constrained({"tools": tools, "tool_choice": forced}) == "tool_choice"
 
 
 def test_stream_chunks_fold_into_per_choice_completions() -> None:
