@@ -16,6 +16,11 @@ EpisodeFinished, RewardAssigned per episode), seeded.
 Both count the same tokens (the token ids of the samples the builder emits: one segment per
 episode, its last call's prompt + completion), so `ratio` is builder / concat throughput.
 Runs alternate builder, concat for --rounds rounds; medians are reported.
+
+Then `shapes`: for the episode shapes real harnesses produce (a linear tool loop, thinking
+over several user turns, a sub-agent interleaved with the main loop, a compaction;
+bench/sample_shapes.py), the builder's sequence tokens over the least those chains need,
+and the calls per second it joins and builds.
 """
 
 from __future__ import annotations
@@ -79,9 +84,14 @@ def conversation(rng: np.random.Generator, calls: int) -> list[CallArrays]:
 
 
 def synthetic_group(
-    rng: np.random.Generator, group_id: str, episodes: int, calls: int
+    rng: np.random.Generator,
+    group_id: str,
+    episodes: int,
+    calls: int,
+    shape: Callable[[np.random.Generator], list[CallArrays]] | None = None,
 ) -> SyntheticGroup:
-    """A complete, ready group of `episodes` episodes with `calls` calls each."""
+    """A complete, ready group of `episodes` episodes with `calls` calls each (or, given a
+    `shape`, the calls it plays)."""
     records: list[tuple[str, bytes]] = []
     arrays: list[list[CallArrays]] = []
 
@@ -100,7 +110,7 @@ def synthetic_group(
                 mode=pb.MODE_TRAIN,
             )
         )
-        arrays.append(conversation(rng, calls))
+        arrays.append(conversation(rng, calls) if shape is None else shape(rng))
         trace_id = rng.bytes(16).hex()
         for seq, call in enumerate(arrays[-1]):
             emit(
@@ -109,7 +119,12 @@ def synthetic_group(
                 )
             )
         emit(
-            pb.EpisodeClosed(episode_id=episode_id, attempt=1, group_id=group_id, call_count=calls)
+            pb.EpisodeClosed(
+                episode_id=episode_id,
+                attempt=1,
+                group_id=group_id,
+                call_count=len(arrays[-1]),
+            )
         )
         emit(
             pb.EpisodeFinished(
@@ -228,11 +243,67 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, A
     }
 
 
+SHAPE_GROUPS = 4
+"""Groups of 8 episodes built per episode shape."""
+
+
+def measure_shapes(seed: int, log: Callable[[str], None]) -> dict[str, dict[str, float]]:
+    """Per episode shape (bench/sample_shapes.py): the builder's sequence tokens over the
+    least its chains need, sequences per episode, and calls built per second."""
+    from harnessrl.bench.sample_shapes import SHAPES
+    from harnessrl.services.sample_builder.building import build
+    from harnessrl.services.sample_builder.config import SampleBuilderSection
+    from harnessrl.services.sample_builder.group import Group
+
+    out: dict[str, dict[str, float]] = {}
+    for name, play in SHAPES.items():
+        rng = np.random.default_rng(seed)
+        minimal = 0
+
+        def episode(rng: np.random.Generator, play: Any = play) -> list[CallArrays]:
+            nonlocal minimal
+            calls, least = play(rng)
+            minimal += least
+            return [
+                CallArrays(p, c, (-rng.exponential(0.5, len(c))).astype(np.float32))
+                for p, c in calls
+            ]
+
+        groups = [
+            synthetic_group(rng, f"shape-{name}-{i}", 8, 0, episode) for i in range(SHAPE_GROUPS)
+        ]
+        decoded = [[events.unwrap(events.decode(t, v))[1:] for t, v in g.records] for g in groups]
+        calls = sum(len(e) for g in groups for e in g.episodes)
+        started = time.perf_counter()
+        sequences = tokens = 0
+        for synthetic, records in zip(groups, decoded, strict=True):
+            group = Group(synthetic.group_id, 0.0)
+            for kind, event in records:
+                group.add(kind, event)
+            built = build(group, SampleBuilderSection())
+            assert built.samples is not None, built.dropped
+            sequences += len(built.samples.samples)
+            tokens += sum(len(s.token_ids) for s in built.samples.samples)
+        seconds = time.perf_counter() - started
+        out[name] = {
+            "sequence_tokens_over_minimal": round(tokens / minimal, 4),
+            "sequences_per_episode": round(sequences / (8 * SHAPE_GROUPS), 2),
+            "calls_per_s": round(calls / seconds),
+        }
+        log(
+            f"shape {name}: {tokens / minimal:.3f}x the minimal sequence tokens, "
+            f"{sequences / (8 * SHAPE_GROUPS):.2f} sequences/episode, "
+            f"{calls / seconds:,.0f} calls/s (join + build)"
+        )
+    return out
+
+
 def main(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(f"bench samples: {line}", file=sys.stderr, flush=True)
 
     result = measure(args, log)
+    result["shapes"] = measure_shapes(args.seed, log)
     if not args.json:
         for key, value in result.items():
             print(f"{key:>24}: {value}")

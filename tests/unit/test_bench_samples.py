@@ -31,6 +31,14 @@ def test_bench_samples_json_prints_one_line_with_the_figures(
     assert result["sample_tokens_per_group"] > 2 * (1000 + 100 + 50 + 100)
     assert set(result["breakdown"]) == {"decode", "join", "build", "encode"}
     assert "round 1/1" in out.err
+    # The episode shapes of real harnesses: chains hold no token more than they need.
+    shapes = result["shapes"]
+    assert set(shapes) == {"linear", "thinking", "sub_agent", "compaction"}
+    for name, figures in shapes.items():
+        assert figures["sequence_tokens_over_minimal"] == 1.0, name
+        assert figures["calls_per_s"] > 0
+    per_episode = {name: figures["sequences_per_episode"] for name, figures in shapes.items()}
+    assert per_episode == {"linear": 1, "thinking": 4, "sub_agent": 2, "compaction": 2}
 
 
 def test_bench_samples_without_json_prints_a_summary_then_the_json_line(
