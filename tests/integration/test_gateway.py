@@ -162,6 +162,26 @@ async def test_an_openai_tool_loop_is_captured_call_by_call_with_the_engines_tok
     assert list(captured[1].prompt_token_ids[: len(first_context)]) == first_context
 
 
+async def test_a_train_call_that_forces_a_tool_is_captured_marked_constrained(
+    stack: Stack,
+) -> None:
+    """vLLM decodes a forced tool choice as structured output: the log-probs recorded are
+    of a constrained distribution, so the call is marked (and the builder never trains its
+    completion). A val call, never trained, is not marked; nor is a free train call."""
+    for episode, mode, choice in (
+        ("forced", "train", "required"),
+        ("free", "train", "auto"),
+        ("val", "val", "required"),
+    ):
+        token = stack.token(episode=episode, mode=mode)
+        client = openai.AsyncOpenAI(base_url=stack.openai_base(token), api_key="k", max_retries=0)
+        await client.chat.completions.create(
+            model="m", messages=QUESTION, tools=TOOLS, tool_choice=choice, max_tokens=8
+        )
+    captured = {c.episode_id: c.constrained for c in await stack.calls(at_least=3)}
+    assert captured == {"forced": "tool_choice", "free": "", "val": ""}
+
+
 async def test_streamed_and_non_streamed_calls_capture_the_same_ids(stack: Stack) -> None:
     request = {"model": "gpt-4o", "messages": QUESTION, "tools": TOOLS, "max_tokens": 24, "seed": 9}
     plain = openai.AsyncOpenAI(
