@@ -27,8 +27,22 @@ lint: venv
 	$(BIN)/ruff format --check libs services bench tests protos examples
 	$(BIN)/mypy
 
-test: lint
+test: lint qwen3-tiny
 	$(BIN)/python -m pytest
+
+# The real Qwen3 tokenizer and chat template (npm, pinned with its integrity in the lock
+# file) on a tiny random Qwen3 (examples/qwen3-tiny/build.py): the tests of real-template
+# behaviour load it through from_pretrained as a real Qwen3. Rebuilt only when the lock or
+# the script changes.
+QWEN3_TINY := examples/qwen3-tiny/model/.built
+
+.PHONY: qwen3-tiny
+qwen3-tiny: $(QWEN3_TINY)
+
+$(QWEN3_TINY): examples/qwen3-tiny/package-lock.json examples/qwen3-tiny/build.py | venv
+	npm ci --ignore-scripts --no-audit --no-fund --prefix examples/qwen3-tiny
+	$(BIN)/python examples/qwen3-tiny/build.py examples/qwen3-tiny/model
+	touch $(QWEN3_TINY)
 
 # The calculator demo: measure the pretrained tiny model on val tasks through the harness,
 # train it DEMO_STEPS steps with RL through that harness, measure again, write
