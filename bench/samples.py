@@ -243,8 +243,10 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, A
     }
 
 
-SHAPE_GROUPS = 4
+SHAPE_GROUPS = 8
 """Groups of 8 episodes built per episode shape."""
+SHAPE_ROUNDS = 3
+"""Rounds over them; the median is reported."""
 
 
 def measure_shapes(seed: int, log: Callable[[str], None]) -> dict[str, dict[str, float]]:
@@ -274,17 +276,20 @@ def measure_shapes(seed: int, log: Callable[[str], None]) -> dict[str, dict[str,
         ]
         decoded = [[events.unwrap(events.decode(t, v))[1:] for t, v in g.records] for g in groups]
         calls = sum(len(e) for g in groups for e in g.episodes)
-        started = time.perf_counter()
-        sequences = tokens = 0
-        for synthetic, records in zip(groups, decoded, strict=True):
-            group = Group(synthetic.group_id, 0.0)
-            for kind, event in records:
-                group.add(kind, event)
-            built = build(group, SampleBuilderSection())
-            assert built.samples is not None, built.dropped
-            sequences += len(built.samples.samples)
-            tokens += sum(len(s.token_ids) for s in built.samples.samples)
-        seconds = time.perf_counter() - started
+        rounds = []
+        for _ in range(SHAPE_ROUNDS):
+            started = time.perf_counter()
+            sequences = tokens = 0
+            for synthetic, records in zip(groups, decoded, strict=True):
+                group = Group(synthetic.group_id, 0.0)
+                for kind, event in records:
+                    group.add(kind, event)
+                built = build(group, SampleBuilderSection())
+                assert built.samples is not None, built.dropped
+                sequences += len(built.samples.samples)
+                tokens += sum(len(s.token_ids) for s in built.samples.samples)
+            rounds.append(time.perf_counter() - started)
+        seconds = statistics.median(rounds)
         out[name] = {
             "sequence_tokens_over_minimal": round(tokens / minimal, 4),
             "sequences_per_episode": round(sequences / (8 * SHAPE_GROUPS), 2),
