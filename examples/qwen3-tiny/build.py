@@ -85,7 +85,8 @@ def build(out: Path) -> None:
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert len(tokenizer) == 151_669, len(tokenizer)
-    print(f"qwen3-tiny: {sum(p.numel() for p in model.parameters()):,} parameters in {out}")
+    params = sum(p.numel() for p in model.parameters())
+    print(f"qwen3-tiny: {params:,} parameters in {out}")  # noqa: T201
 
 
 if __name__ == "__main__":
