@@ -232,6 +232,7 @@ def _call(call: pb.ModelCall) -> Call:
         temperature=call.temperature,
         span_id=call.span_id,
         constrained=bool(call.constrained),
+        source=call,
     )
 
 
@@ -241,7 +242,14 @@ def _fill(sample: pb.Sample, kept: _Kept, index: int, segment: Segment, advantag
     sample.episode_id = episode.episode_id
     sample.attempt = episode.attempt
     sample.segment_index = index
-    sample.token_ids.extend(segment.token_ids.tolist())
+    last = segment.source
+    if isinstance(last, pb.ModelCall) and not segment.truncated:
+        # The sequence is its last call's prompt + completion: copied field to field inside
+        # protobuf, ~100x faster than through a Python list.
+        sample.token_ids.extend(last.prompt_token_ids)
+        sample.token_ids.extend(last.completion_token_ids)
+    else:
+        sample.token_ids.extend(segment.token_ids.tolist())
     # Packed bools and floats are their little-endian bytes on the wire: merging them in as
     # bytes is ~50x faster than going through Python lists, and parses to the same message.
     sample.MergeFromString(

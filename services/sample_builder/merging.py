@@ -93,6 +93,8 @@ class Call:
     constrained: bool = False
     """Sampled under constrained decoding (ModelCall.constrained): its completion stays in
     its chain as context, never trained."""
+    source: object = None
+    """What the call was read from (opaque here: the builder's ModelCall)."""
 
 
 class BreakKind(StrEnum):
@@ -156,6 +158,8 @@ class Segment:
     """Span ids of the chain's calls, in call_seqs order."""
     truncated: bool = False
     """True when `truncate` cut the segment; the calls are still all listed."""
+    source: object = None
+    """The `source` of its last call, whose prompt + completion `token_ids` is."""
 
     @property
     def trained_tokens(self) -> int:
@@ -588,4 +592,5 @@ def _segment(chain: list[Call]) -> Segment:
         policy_version_max=max(versions),
         temperature=chain[0].temperature,
         span_ids=tuple(c.span_id for c in chain),
+        source=chain[-1].source,
     )
