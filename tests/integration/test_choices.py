@@ -18,10 +18,14 @@ import pytest
 
 from harnessrl import events
 from harnessrl.broker import EmbeddedBroker
-from harnessrl.v1 import events_pb2 as pb
 from tests.helpers import eventually
 from tests.integration.gateway_stack import ADMIN, Stack, running_stack
-from tests.integration.test_sample_builder import publish, sample_builder, samples_on_topic
+from tests.integration.test_sample_builder import (
+    outcome_events,
+    publish,
+    sample_builder,
+    samples_on_topic,
+)
 from tests.integration.test_trainer import TINY, trainer
 
 pytestmark = pytest.mark.integration
@@ -54,22 +58,6 @@ async def _episode(
     return choices[keep], choices[1 - keep]
 
 
-def _outcome(index: int, reward: float) -> list[Any]:
-    """What the controller and the reward service would publish for the episode."""
-    episode = f"{GROUP}-{index}"
-    return [
-        pb.EpisodeStarted(
-            episode_id=episode, attempt=1, group_id=GROUP, task_id=GROUP, index=index,
-            group_size=2, mode=pb.MODE_TRAIN,
-        ),
-        pb.EpisodeFinished(
-            episode_id=episode, attempt=1, group_id=GROUP, task_id=GROUP, final=True,
-            status=pb.EPISODE_STATUS_SUCCEEDED, mode=pb.MODE_TRAIN,
-        ),
-        pb.RewardAssigned(episode_id=episode, attempt=1, group_id=GROUP, value=reward, source="t"),
-    ]  # fmt: skip
-
-
 async def test_the_choice_the_harness_went_on_with_is_trained_the_other_booked(
     broker: EmbeddedBroker, tmp_path: Path
 ) -> None:
@@ -80,7 +68,9 @@ async def test_the_choice_the_harness_went_on_with_is_trained_the_other_booked(
         httpx.AsyncClient(timeout=60) as client,
     ):
         kept = [await _episode(stack, client, 0, keep=0), await _episode(stack, client, 1, keep=1)]
-        await publish(broker, tmp_path, _outcome(0, 0.0) + _outcome(1, 1.0))
+        await publish(
+            broker, tmp_path, outcome_events(GROUP, 0, 0.0) + outcome_events(GROUP, 1, 1.0)
+        )
         (group,) = await samples_on_topic(broker, 1)
 
         async def stepped() -> bool:

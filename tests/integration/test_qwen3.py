@@ -22,7 +22,12 @@ import pytest
 from harnessrl.broker import EmbeddedBroker
 from harnessrl.v1 import events_pb2 as pb
 from tests.integration.gateway_stack import ADMIN, Stack, running_stack
-from tests.integration.test_sample_builder import publish, sample_builder, samples_on_topic
+from tests.integration.test_sample_builder import (
+    outcome_events,
+    publish,
+    sample_builder,
+    samples_on_topic,
+)
 from tests.qwen3 import qwen3_model
 
 pytestmark = pytest.mark.integration
@@ -78,21 +83,6 @@ async def _episode(stack: Stack, index: int) -> list[tuple[list[dict[str, Any]],
     return sent
 
 
-def _outcome(index: int, reward: float) -> list[Any]:
-    episode = f"{GROUP}-{index}"
-    return [
-        pb.EpisodeStarted(
-            episode_id=episode, attempt=1, group_id=GROUP, task_id=GROUP, index=index,
-            group_size=2, mode=pb.MODE_TRAIN,
-        ),
-        pb.EpisodeFinished(
-            episode_id=episode, attempt=1, group_id=GROUP, task_id=GROUP, final=True,
-            status=pb.EPISODE_STATUS_SUCCEEDED, mode=pb.MODE_TRAIN,
-        ),
-        pb.RewardAssigned(episode_id=episode, attempt=1, group_id=GROUP, value=reward, source="t"),
-    ]  # fmt: skip
-
-
 async def test_a_qwen3_sub_agent_episode_through_the_real_engine_and_builder(
     broker: EmbeddedBroker, tmp_path: Path
 ) -> None:
@@ -105,7 +95,9 @@ async def test_a_qwen3_sub_agent_episode_through_the_real_engine_and_builder(
         sample_builder(broker, tmp_path, tokenizer=model),
     ):
         sent = {i: await _episode(stack, i) for i in range(2)}
-        await publish(broker, tmp_path, _outcome(0, 0.0) + _outcome(1, 1.0))
+        await publish(
+            broker, tmp_path, outcome_events(GROUP, 0, 0.0) + outcome_events(GROUP, 1, 1.0)
+        )
         (group,) = await samples_on_topic(broker, 1)
         calls = [c for c in await stack.calls() if c.group_id == GROUP]
     assert len(calls) == 10

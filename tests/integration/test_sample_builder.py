@@ -178,6 +178,23 @@ def group_events(group: str, rewards: tuple[float, ...] = (0.0, 1.0, 0.5)) -> li
     return [e for i, r in enumerate(rewards) for e in episode_events(group, i, 2 + i, r)]
 
 
+def outcome_events(group: str, index: int, reward: float, size: int = 2) -> list[Message]:
+    """What the controller and the reward service publish for episode `index` of a train
+    group whose calls went through a real gateway (which publishes its close)."""
+    episode = f"{group}-{index}"
+    return [
+        pb.EpisodeStarted(
+            episode_id=episode, attempt=1, group_id=group, task_id=group, index=index,
+            group_size=size, mode=pb.MODE_TRAIN,
+        ),
+        pb.EpisodeFinished(
+            episode_id=episode, attempt=1, group_id=group, task_id=group, final=True,
+            status=pb.EPISODE_STATUS_SUCCEEDED, mode=pb.MODE_TRAIN,
+        ),
+        pb.RewardAssigned(episode_id=episode, attempt=1, group_id=group, value=reward, source="t"),
+    ]  # fmt: skip
+
+
 async def publish(broker: EmbeddedBroker, tmp_path: Path, items: list[Message]) -> None:
     producer = Producer(
         KafkaSettings(bootstrap_servers=broker.bootstrap),
