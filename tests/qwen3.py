@@ -32,3 +32,12 @@ def qwen3_model(timeout_s: float = 600.0) -> Path:
                 f"reachable? Output:\n{done.stdout}{done.stderr}"
             )
     return QWEN3
+
+
+def planted_reply() -> str:
+    """What the model writes at the start of every assistant turn (build.py's REPLY)."""
+    import runpy
+
+    reply = runpy.run_path(str(ROOT / "examples" / "qwen3-tiny" / "build.py"))["REPLY"]
+    assert isinstance(reply, str)
+    return reply
