@@ -24,6 +24,7 @@ from harnessrl.services.sample_builder.group import Episode, Group
 from harnessrl.services.sample_builder.merging import (
     BreakKind,
     Call,
+    Dropped,
     MergeResult,
     Segment,
     merge,
@@ -68,7 +69,7 @@ def build(group: Group, settings: SampleBuilderSection, decode: Decode | None = 
         reason, reward = _verdict(episode, settings)
         if reason is None and val:
             built.rewards.append(reward)  # type: ignore[arg-type]  # not None when kept
-            _drop_tokens(built, episode.every_call, "val")
+            _drop_episode(built, episode, "val")
             continue
         if reason is None:
             assert reward is not None
@@ -76,7 +77,7 @@ def build(group: Group, settings: SampleBuilderSection, decode: Decode | None = 
                 episode, reward, settings=settings, decode=decode, built=built, kept=kept
             )
         if reason is not None:
-            _drop_tokens(built, episode.every_call, reason.partition(":")[0])
+            _drop_episode(built, episode, reason.partition(":")[0])
             built.episodes_dropped.append(
                 pb.DroppedEpisode(
                     episode_id=episode.episode_id,
@@ -120,6 +121,14 @@ def _drop_tokens(built: Built, calls: Sequence[pb.ModelCall], reason: str) -> No
     tokens = sum(len(c.completion_token_ids) for c in calls)
     built.books.captured += tokens
     built.dropped_tokens[reason] += tokens
+
+
+def _drop_episode(built: Built, episode: Episode, reason: str) -> None:
+    """All of an episode's captured tokens dropped for `reason`."""
+    _drop_tokens(built, episode.every_call, reason)
+    held = episode.overflow()[0] + episode.overflow(beyond=True)[0]
+    built.books.captured += held
+    built.dropped_tokens[reason] += held
 
 
 def _close_books(built: Built, kept: list[_Kept], reason: str | None) -> None:
@@ -185,7 +194,12 @@ def _segments(
             built.truncated += 1
         segments.append(segment)
     _drop_tokens(built, episode.beyond, "beyond_call_count")
-    built.books.captured += merged.captured
+    beyond, _ = episode.overflow(beyond=True)
+    conflicting, copies = episode.overflow()  # copies of a seq past MAX_COPIES, not held
+    built.books.captured += merged.captured + beyond + conflicting
+    built.dropped_tokens["beyond_call_count"] += beyond
+    built.dropped_tokens[str(Dropped.SEQ_CONFLICT)] += conflicting
+    built.merge.seq_conflicts += copies
     for reason, tokens in merged.dropped.items():
         built.dropped_tokens[str(reason)] += tokens
     built.dropped_tokens["truncated"] += cut

@@ -8,12 +8,17 @@ Calls of attempts the controller retried are let go as soon as that is known.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from harnessrl.v1 import events_pb2 as pb
 
 Key = tuple[str, int]  # (episode id, attempt)
+MAX_COPIES = 4
+"""Conflicting copies of one seq held for the merge; further ones are only counted (their
+completion tokens, dropped as seq_conflict), so a sender that repeats a seq with new
+contents cannot grow the builder's memory by whole calls."""
 
 
 @dataclass(slots=True)
@@ -21,7 +26,10 @@ class Attempt:
     calls: dict[int, pb.ModelCall] = field(default_factory=dict)
     """The first copy of each seq."""
     conflicts: dict[int, list[pb.ModelCall]] = field(default_factory=dict)
-    """Further copies of a seq with other contents (a redelivered copy is the same)."""
+    """Further copies of a seq with other contents (a redelivered copy is the same), at most
+    MAX_COPIES per seq."""
+    overflow: dict[int, dict[bytes, int]] = field(default_factory=dict)
+    """Copies past MAX_COPIES: seq -> {digest of the copy: its completion tokens}."""
     call_count: int | None = None
     """From EpisodeClosed; None until the gateway closed the attempt."""
     finished: pb.EpisodeFinished | None = None
@@ -63,6 +71,16 @@ class Episode:
     @property
     def every_call(self) -> list[pb.ModelCall]:
         return self._copies()
+
+    def overflow(self, beyond: bool = False) -> tuple[int, int]:
+        """(completion tokens, copies) of the copies past MAX_COPIES held only as counts:
+        of seqs below call_count, or (`beyond`) at or past it."""
+        tokens = copies = 0
+        for seq, extra in self.state.overflow.items():
+            if (seq >= self._limit) == beyond:
+                tokens += sum(extra.values())
+                copies += len(extra)
+        return tokens, copies
 
     @property
     def _limit(self) -> int:
@@ -106,7 +124,14 @@ class Group:
             if held is not call and held != call:
                 copies = attempt.conflicts.setdefault(call.seq, [])
                 if all(copy != call for copy in copies):
-                    copies.append(call)
+                    if len(copies) < MAX_COPIES:
+                        copies.append(call)
+                    else:
+                        digest = hashlib.blake2b(
+                            call.SerializeToString(deterministic=True), digest_size=16
+                        ).digest()
+                        extra = attempt.overflow.setdefault(call.seq, {})
+                        extra[digest] = len(call.completion_token_ids)
         elif kind == "episode_closed":
             attempt.call_count = event.call_count  # type: ignore[attr-defined]
         elif kind == "episode_finished":

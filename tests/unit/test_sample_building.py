@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from harnessrl.services.sample_builder.building import Built, build
 from harnessrl.services.sample_builder.config import SampleBuilderSection
-from harnessrl.services.sample_builder.group import Group
+from harnessrl.services.sample_builder.group import MAX_COPIES, Group
 from harnessrl.v1 import events_pb2 as pb
 
 PROPERTY = settings(max_examples=60, deadline=None)
@@ -788,3 +788,38 @@ def test_a_call_beyond_call_count_does_not_stand_in_for_a_missing_one() -> None:
     add_episode(group, 1, 2, calls=[first, stray], call_count=2)  # seq 1 never arrives
     assert not group.ready
     assert list(group.missing()) == ["g-1:calls"]
+
+
+def test_copies_of_a_seq_past_the_cap_are_counted_not_held() -> None:
+    """A sender that repeats seq 0 with ever new contents: MAX_COPIES conflicting copies are
+    held for the merge, the rest only as a digest and a token count; redelivering any copy
+    changes nothing, and every token is still in the books (one copy trained, the others
+    dropped as seq_conflict)."""
+    group = Group("g", first_seen=0.0)
+    add_episode(group, 0, 2, value=1.0)
+    add_episode(group, 1, 2, value=0.0)
+    ids = {"episode_id": "g-1", "attempt": 1, "group_id": "g", "seq": 0, "temperature": 1.0}
+    copies = [
+        pb.ModelCall(
+            **ids,
+            prompt_token_ids=[1, 2],
+            completion_token_ids=[20 + i, 5],
+            completion_logprobs=[-0.5, -0.5],
+        )
+        for i in range(MAX_COPIES + 6)
+    ]
+    for call in copies + copies[::-1]:  # each twice, in both orders
+        group.add("model_call", call)
+    (attempt,) = (a for key, a in group._attempts.items() if key[0] == "g-1")
+    assert len(attempt.conflicts[0]) == MAX_COPIES
+    assert len(attempt.overflow[0]) == 6
+    built = build(group, SampleBuilderSection())
+    distinct = 1 + len(copies)  # the first copy add_episode sent, and these
+    assert built.merge.seq_conflicts == distinct - 1
+    books = built.books
+    assert built.samples is not None
+    (mine,) = (s for s in built.samples.samples if s.episode_id == "g-1")
+    held = 1 + 2 * len(copies)  # g-1's tokens: add_episode's one-token copy, then these
+    assert books.captured == 1 + held
+    assert books.trained == 1 + sum(mine.loss_mask)
+    assert dict(books.dropped) == {"seq_conflict": held - sum(mine.loss_mask)}
