@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # for torch>=2.4, which that satisfies, so pip never pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: venv protos lint test demo bench-bus clean
+.PHONY: venv protos lint test test-full demo bench-bus clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,11 @@ lint: venv
 
 test: lint qwen3-tiny
 	$(BIN)/python -m pytest
+
+# The same tests with the long versions of the heaviest suites: the fuzzers send 3x the
+# requests, the chaos run lasts five minutes (~35 minutes on 2 cores instead of ~20).
+test-full: lint qwen3-tiny
+	HARNESSRL_TEST_FULL=1 $(BIN)/python -m pytest
 
 # The real Qwen3 tokenizer and chat template (npm, pinned with its integrity in the lock
 # file) on a tiny random Qwen3 (examples/qwen3-tiny/build.py): the tests of real-template

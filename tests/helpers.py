@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import string
 from collections.abc import Awaitable, Callable
@@ -11,6 +12,10 @@ from typing import Any
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
+
+FULL = os.environ.get("HARNESSRL_TEST_FULL", "") not in ("", "0")
+"""`make test-full`: the long versions of the heaviest suites (more fuzzed requests, a longer
+chaos run); `make test` runs the short ones."""
 
 FAST_GROUP = {"session_timeout_ms": 2000, "heartbeat_interval_ms": 500}
 """Consumer settings that make group joins on Tansu take ~1 s instead of ~5 s."""

@@ -8,14 +8,16 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.helpers import FULL
 from tests.integration.fuzzing import fuzz, openai_error_shape, summary
 from tests.integration.test_inference_api import start_engine
 from tests.model_helpers import TINY
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES = 100
-"""Requests per operation and generation mode (positive, negative)."""
+EXAMPLES = 100 if FULL else 60
+"""Requests per operation and generation mode (positive, negative); `make test-full` runs
+the long version."""
 
 
 async def test_no_generated_request_gets_a_5xx_and_every_error_is_openai_shaped() -> None:

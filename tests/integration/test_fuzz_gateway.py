@@ -17,6 +17,7 @@ from harnessrl.broker import EmbeddedBroker
 from harnessrl.services.gateway.app import API_ROUTES
 from harnessrl.services.gateway.openapi import document
 from harnessrl.v1 import events_pb2 as pb
+from tests.helpers import FULL
 from tests.integration.fuzzing import anthropic_error_shape, fuzz, openai_error_shape, summary
 from tests.integration.gateway_stack import Stack, running_stack
 from tests.model_helpers import TINY
@@ -24,8 +25,9 @@ from tests.raw_http import exchange, first_response
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES = 60
-"""Requests per operation and generation mode (positive, negative)."""
+EXAMPLES = 60 if FULL else 40
+"""Requests per operation and generation mode (positive, negative); `make test-full` runs
+the long version."""
 
 
 @pytest_asyncio.fixture
