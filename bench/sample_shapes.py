@@ -12,7 +12,8 @@ against it (1.0: nothing trained twice, nothing split that did not have to be).
   each user turn is a conversation of its own;
 - sub_agent: a main loop of 8 calls and, interleaved with it, a sub-agent's own loop of 4
   calls under its own system prompt;
-- compaction: 6 calls, then the history replaced by a summary, then 4 more calls.
+- compaction: 6 calls, then the history replaced by a summary, then 4 more calls;
+- side_calls: a main loop of 8 calls, each followed by 16 independent side calls.
 """
 
 from __future__ import annotations
@@ -95,9 +96,27 @@ def compaction(rng: np.random.Generator) -> tuple[list[Call], int]:
     return [*before, *after], len(before_last) + len(after_last)
 
 
+def side_calls(rng: np.random.Generator) -> tuple[list[Call], int]:
+    """A main loop of 8 calls with 16 independent side calls (a classifier, a guard model:
+    a short system prompt of their own) after each: 129 chains, more than a break is
+    compared with, so the cost per call must not grow with them."""
+    main, main_last = _loop(rng, _ids(rng, 1000, 2000), 8)
+    system = _ids(rng, 100, 200)
+    calls: list[Call] = []
+    minimal = len(main_last)
+    for call in main:
+        calls.append(call)
+        for _ in range(16):
+            prompt, completion = _cat(system, _ids(rng, 50, 300)), _ids(rng, 5, 40)
+            calls.append((prompt, completion))
+            minimal += len(prompt) + len(completion)
+    return calls, minimal
+
+
 SHAPES: dict[str, Callable[[np.random.Generator], tuple[list[Call], int]]] = {
     "linear": linear,
     "thinking": thinking,
     "sub_agent": sub_agent,
     "compaction": compaction,
+    "side_calls": side_calls,
 }

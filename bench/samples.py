@@ -18,9 +18,9 @@ episode, its last call's prompt + completion), so `ratio` is builder / concat th
 Runs alternate builder, concat for --rounds rounds; medians are reported.
 
 Then `shapes`: for the episode shapes real harnesses produce (a linear tool loop, thinking
-over several user turns, a sub-agent interleaved with the main loop, a compaction;
-bench/sample_shapes.py), the builder's sequence tokens over the least those chains need,
-and the calls per second it joins and builds.
+over several user turns, a sub-agent interleaved with the main loop, a compaction, 128
+side calls around a main loop; bench/sample_shapes.py), the builder's sequence tokens over
+the least those chains need, and the calls per second it joins and builds.
 """
 
 from __future__ import annotations

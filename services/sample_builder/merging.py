@@ -41,8 +41,10 @@ the calls are arranged as a tree first, then cut into chains:
    `captured == trained + sum(dropped.values())` always.
 
 Everything is pure and works on whole arrays: a prefix test is a byte comparison of the ids
-(memcmp) after a cheap check of the last ids, a chain is one concatenation plus a slice per
-call, and `decode` runs only at breaks.
+(memcmp) after a cheap check of the last ids (one by one for the longest few contexts, in
+one vector operation over the rest), a chain is one concatenation plus a slice per call, a
+break is compared with at most _RECENT + 2 earlier chains, and `decode` runs only at
+breaks: the Python work is linear in the episode's calls however many chains it has.
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ Logprobs = npt.NDArray[np.float32]
 _U32 = np.dtype(np.uint32)
 _TAIL = 4
 """Ids compared at the end of a candidate prefix before the full comparison."""
+_COLUMNS = np.arange(_TAIL)
+_SCAN = 16
+"""Earlier contexts tried one by one for a call's parent before the vector filter."""
+_RECENT = 32
+"""A new chain's break is classified against the chains most recently extended before it
+(and the first chain, and the chain it branched from): all of them in an episode of up to
+this many chains, so the cost stays linear in the calls however many chains there are."""
 _WINDOW = 24
 """Ids decoded on each side of a break's first difference for its report."""
 _SURVIVES = 0.5
@@ -252,7 +261,7 @@ def merge(calls: Sequence[Call], *, decode: Decode | None = None) -> MergeResult
         if node.call.constrained:
             dropped[Dropped.CONSTRAINED] += len(node.call.completion_ids)
             dropped_calls[Dropped.CONSTRAINED] += 1
-    breaks = tuple(_break(nodes, chains, k, decode) for k in range(1, len(chains)))
+    breaks = tuple(_breaks(nodes, chains, decode))
     return MergeResult(
         segments=segments,
         breaks=breaks,
@@ -373,26 +382,58 @@ def _content(call: Call) -> tuple[bytes, bytes, bytes, int, float, str]:
 
 def _tree(calls: list[Call]) -> list[_Node]:
     """The calls (ascending seq) as nodes, each with its parent: the earlier call whose
-    context is the longest prefix of its prompt (the latest such call on a tie)."""
+    context is the longest prefix of its prompt (the latest such call on a tie).
+
+    Earlier contexts are tried longest first; a candidate is compared byte for byte only
+    when its last _TAIL ids match the prompt's at the same place. The first _SCAN are tried
+    one by one (the parent is almost always among them); the rest, if need be, are
+    filtered by their tails in one vector operation, so an episode of many chains costs
+    linear, not quadratic, Python work."""
     nodes: list[_Node] = []
     by_length: list[int] = []  # node indexes, longest context first (latest first on a tie)
-    for call in calls:
+    lengths = np.zeros(len(calls), dtype=np.int64)
+    tails = np.zeros((len(calls), _TAIL), dtype=np.uint32)  # right-aligned
+    for index, call in enumerate(calls):
         prompt = call.prompt_ids.tobytes()
         node = _Node(call, prompt, prompt + call.completion_ids.tobytes())
-        for j in by_length:
-            context = nodes[j].context
-            n = len(context)
-            if n > len(prompt) or (n == len(prompt) and not nodes[j].call.completion_ids.size):
-                continue  # longer, or an alternative of this call with an empty completion
-            if prompt[n - _TAIL * 4 if n > _TAIL * 4 else 0 : n] != context[-_TAIL * 4 :]:
-                continue
-            if prompt.startswith(context):
-                node.parent = j
-                break
-        index = len(nodes)
+        node.parent = _first_prefix(node, nodes, by_length[:_SCAN])
+        if node.parent < 0 and index > _SCAN:
+            tried = set(by_length[:_SCAN])
+            fits = np.flatnonzero(lengths[:index] <= len(call.prompt_ids))
+            if fits.size and call.prompt_ids.size:
+                positions = lengths[fits, None] - _TAIL + _COLUMNS
+                seen = call.prompt_ids[np.maximum(positions, 0)]
+                fits = fits[((seen == tails[fits]) | (positions < 0)).all(axis=1)]
+            if fits.size > 1:
+                fits = fits[np.lexsort((-fits, -lengths[fits]))]
+            rest = [j for j in fits.tolist() if j not in tried]
+            node.parent = _first_prefix(node, nodes, rest, tails_checked=True)
+        lengths[index] = len(call.prompt_ids) + len(call.completion_ids)
+        tail = call.completion_ids[-_TAIL:]
+        if len(tail) < _TAIL:
+            tail = np.concatenate((call.prompt_ids[len(tail) - _TAIL :], tail))
+        tails[index, _TAIL - len(tail) :] = tail
         nodes.append(node)
         _insert(by_length, index, nodes)
     return nodes
+
+
+def _first_prefix(
+    node: _Node, nodes: list[_Node], candidates: list[int], tails_checked: bool = False
+) -> int:
+    """The first of `candidates` whose context is a prefix of the node's prompt, or -1."""
+    prompt = node.prompt
+    for j in candidates:
+        context = nodes[j].context
+        n = len(context)
+        if n > len(prompt) or (n == len(prompt) and not nodes[j].call.completion_ids.size):
+            continue  # longer, or an alternative of this call with an empty completion
+        tail = _TAIL * 4  # bytes
+        if not tails_checked and prompt[max(0, n - tail) : n] != context[-tail:]:
+            continue
+        if prompt.startswith(context):
+            return j
+    return -1
 
 
 def _insert(order: list[int], index: int, nodes: list[_Node]) -> None:
@@ -468,29 +509,70 @@ def _chains(nodes: list[_Node]) -> list[list[int]]:
 # -- breaks -----------------------------------------------------------------------------------
 
 
-def _break(nodes: list[_Node], chains: list[list[int]], k: int, decode: Decode | None) -> Break:
-    """The break that started chains[k] (k >= 1), against the earlier chains as they stood
-    when its first call came: the one whose last context shares the longest prefix with
-    the call's prompt (the latest on a tie)."""
-    head = chains[k][0]
+def _breaks(nodes: list[_Node], chains: list[list[int]], decode: Decode | None) -> list[Break]:
+    """The break that started each chain after the first (see _break)."""
+    of = {i: k for k, chain in enumerate(chains) for i in chain}
+    heads = {chain[0]: k for k, chain in enumerate(chains)}
+    parents = np.array([node.parent for node in nodes], dtype=np.int64)
+    latest: dict[int, int] = {}  # chain -> its latest node so far, least recently extended first
+    out: list[Break] = []
+    for i, node in enumerate(nodes):
+        k = heads.get(i, 0)
+        if k:
+            tips = [latest[c] for c in list(latest)[-_RECENT:]]
+            tips.append(latest[0])
+            if node.parent >= 0:
+                tips.append(latest[of[node.parent]])
+            out.append(
+                _break(
+                    nodes,
+                    i,
+                    sorted(set(tips)),
+                    parents=parents,
+                    chains=chains,
+                    of=of,
+                    decode=decode,
+                )
+            )
+        chain = of[i]
+        latest.pop(chain, None)
+        latest[chain] = i
+    return out
+
+
+def _break(
+    nodes: list[_Node],
+    head: int,
+    tips: list[int],
+    *,
+    parents: npt.NDArray[np.int64],
+    chains: list[list[int]],
+    of: dict[int, int],
+    decode: Decode | None,
+) -> Break:
+    """The break that started the chain whose first call is `head`, against the earlier
+    chains as they stood then (their latest calls before it, `tips`): the one whose context
+    shares the longest prefix with the call's prompt (the latest on a tie)."""
     node = nodes[head]
     prompt_ids = node.call.prompt_ids
-    best, at, chain = -1, -1, chains[0]
-    for earlier in chains[:k]:  # every chain begun before this one has a call before it
-        tip = max(i for i in earlier if i < head)
-        shared = _first_difference(_ids(nodes[tip].call), prompt_ids)
-        if shared > at or (shared == at and tip > best):
-            best, at, chain = tip, shared, earlier
+    best, at = -1, -1
+    for tip in sorted(tips, reverse=True):  # the latest first: it wins a tie
+        call = nodes[tip].call
+        if best >= 0 and not _same_at(call, prompt_ids, at):
+            continue  # shares at most `at` ids: cannot share more than the best
+        shared = _first_difference(_ids(call), prompt_ids)
+        if shared > at:
+            best, at = tip, shared
     last = nodes[best]
     context_ids = _ids(last.call)
     changed = False
     if at == len(context_ids):  # it extends that chain, which went on without it
         changed = node.call.temperature != last.call.temperature
         kind = BreakKind.OTHER if changed else BreakKind.SIDE_CHAIN
-    elif _older_goes_on(nodes, head):
+    elif _older_goes_on(nodes, parents, head):
         kind = BreakKind.SIDE_CHAIN
     else:
-        spans = _spans([nodes[i].call for i in chain if i <= best])
+        spans = _spans([nodes[i].call for i in chains[of[best]] if i <= best])
         kind = classify_break(context_ids, prompt_ids, spans, decode)
         if kind == BreakKind.COMPACTION and not node.children:
             kind = BreakKind.SIDE_CHAIN  # a compaction goes on; a call nothing extends is aside
@@ -502,18 +584,29 @@ def _break(nodes: list[_Node], chains: list[list[int]], k: int, decode: Decode |
     return Break(kind, node.call.seq, last.call.seq, at, recorded, sent, changed)
 
 
-def _older_goes_on(nodes: list[_Node], head: int) -> bool:
+def _same_at(call: Call, prompt_ids: Ids, at: int) -> bool:
+    """Whether the call's context and `prompt_ids` both have an id at `at`, the same one."""
+    if at >= len(prompt_ids):
+        return False
+    if at < len(call.prompt_ids):
+        return bool(call.prompt_ids[at] == prompt_ids[at])
+    rest = at - len(call.prompt_ids)
+    return rest < len(call.completion_ids) and bool(call.completion_ids[rest] == prompt_ids[at])
+
+
+def _older_goes_on(nodes: list[_Node], parents: npt.NDArray[np.int64], head: int) -> bool:
     """Whether a later call extends a call older than `head` that is not on its own line
     (the contexts its prompt starts with): a chain begun before it goes on after it."""
-    ancestors = set()
+    later = parents[head + 1 :]
+    older = later[(later >= 0) & (later < head)]
+    if not older.size:
+        return False
+    ancestors = []
     at = nodes[head].parent
     while at >= 0:
-        ancestors.add(at)
+        ancestors.append(at)
         at = nodes[at].parent
-    return any(
-        0 <= nodes[later].parent < head and nodes[later].parent not in ancestors
-        for later in range(head + 1, len(nodes))
-    )
+    return bool(np.isin(older, ancestors, invert=True).any())
 
 
 def _survives(context_ids: Ids, prompt_ids: Ids, spans: Sequence[tuple[int, int]], at: int) -> bool:

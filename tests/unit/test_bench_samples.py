@@ -33,12 +33,18 @@ def test_bench_samples_json_prints_one_line_with_the_figures(
     assert "round 1/1" in out.err
     # The episode shapes of real harnesses: chains hold no token more than they need.
     shapes = result["shapes"]
-    assert set(shapes) == {"linear", "thinking", "sub_agent", "compaction"}
+    assert set(shapes) == {"linear", "thinking", "sub_agent", "compaction", "side_calls"}
     for name, figures in shapes.items():
         assert figures["sequence_tokens_over_minimal"] == 1.0, name
         assert figures["calls_per_s"] > 0
     per_episode = {name: figures["sequences_per_episode"] for name, figures in shapes.items()}
-    assert per_episode == {"linear": 1, "thinking": 4, "sub_agent": 2, "compaction": 2}
+    assert per_episode == {
+        "linear": 1,
+        "thinking": 4,
+        "sub_agent": 2,
+        "compaction": 2,
+        "side_calls": 129,
+    }
 
 
 def test_bench_samples_without_json_prints_a_summary_then_the_json_line(

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import pytest
+
 from harnessrl.services.sample_builder.merging import BreakKind, Call, Dropped, Segment, merge
 from tests.merge_cases import make_call
 
@@ -42,32 +44,36 @@ def _trained_once(calls: list[Call], segments: list[Segment]) -> None:
         assert trained == [t for q in segment.call_seqs for t in by_seq[q].completion_ids.tolist()]
 
 
-def test_an_independent_side_call_after_each_main_call_is_a_chain_of_its_own() -> None:
+@pytest.mark.parametrize("turns", [20, 300])
+def test_an_independent_side_call_after_each_main_call_is_a_chain_of_its_own(turns: int) -> None:
     """20 main calls, each followed by a summariser call with its own system prompt: one
     sequence for the main loop plus one per side call (21, not 41), no more tokens than
-    those sequences need."""
-    prompts, completions = _main_loop(20)
+    those sequences need. The same at 300 (more chains than a break is compared with)."""
+    prompts, completions = _main_loop(turns)
     calls: list[Call] = []
     sides: list[list[int]] = []
-    for k in range(20):
+    for k in range(turns):
         calls.append(make_call(len(calls), prompts[k], completions[k]))
-        side = [*SIDE_SYSTEM, *_ids(10, 7000 + 10 * k)]
+        side = [*SIDE_SYSTEM, *_ids(10, 100_000 + 10 * k)]
         sides.append(side)
-        calls.append(make_call(len(calls), side, _ids(4, 9000 + 10 * k)))
+        calls.append(make_call(len(calls), side, _ids(4, 200_000 + 10 * k)))
     result = merge(calls)
-    assert len(result.segments) == 21
+    assert len(result.segments) == turns + 1
     main = result.segments[0]
-    assert main.call_seqs == tuple(range(0, 40, 2))
-    assert [s.call_seqs for s in result.segments[1:]] == [(k,) for k in range(1, 40, 2)]
+    assert main.call_seqs == tuple(range(0, 2 * turns, 2))
+    assert [s.call_seqs for s in result.segments[1:]] == [(k,) for k in range(1, 2 * turns, 2)]
     # The side calls are side chains; the last has nothing after it to tell it from a
     # compaction, and nothing extends it, so it is a side call too.
-    assert result.break_kinds == (BreakKind.SIDE_CHAIN,) * 20
+    assert result.break_kinds == (BreakKind.SIDE_CHAIN,) * turns
+    # Each is compared with the context sharing its longest prefix: the side call before it
+    # (the same system prompt), the first with the main loop.
+    assert [b.nearest_seq for b in result.breaks] == [0, *range(1, 2 * turns - 2, 2)]
     minimum = len(prompts[-1]) + 5 + sum(len(side) + 4 for side in sides)
     total = sum(len(s.token_ids) for s in result.segments)
     assert total <= 1.1 * minimum
     assert total == minimum
     _trained_once(calls, result.segments)
-    assert result.captured == result.trained == 20 * 5 + 20 * 4
+    assert result.captured == result.trained == turns * 5 + turns * 4
 
 
 def test_a_side_call_on_the_whole_conversation_branches_from_it() -> None:
