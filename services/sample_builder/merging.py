@@ -43,8 +43,9 @@ the calls are arranged as a tree first, then cut into chains:
 Everything is pure and works on whole arrays: a prefix test is a byte comparison of the ids
 (memcmp) after a cheap check of the last ids (one by one for the longest few contexts, in
 one vector operation over the rest), a chain is one concatenation plus a slice per call, a
-break is compared with at most _RECENT + 2 earlier chains, and `decode` runs only at
-breaks: the Python work is linear in the episode's calls however many chains it has.
+break is compared with at most 34 earlier chains, and `decode` runs only at breaks: the
+Python work is linear in the episode's calls however many chains it has. Steps 1-3 are in
+tree.py, step 4 in breaks.py; this module is the entry point and the sequences.
 """
 
 from __future__ import annotations
@@ -53,10 +54,31 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 
 import numpy as np
 import numpy.typing as npt
+
+from harnessrl.services.sample_builder.breaks import Break, BreakKind, classify_break, find_breaks
+from harnessrl.services.sample_builder.tree import (
+    Dropped,
+    build_tree,
+    cut_chains,
+    drop_alternatives,
+    ids_of,
+)
+
+__all__ = [
+    "Break",
+    "BreakKind",
+    "Call",
+    "Decode",
+    "Dropped",
+    "MergeResult",
+    "Segment",
+    "classify_break",
+    "merge",
+    "truncate",
+]
 
 Decode = Callable[[Sequence[int]], str]
 """Token ids to text, special tokens included (used to classify breaks, never to train)."""
@@ -66,20 +88,6 @@ Mask = npt.NDArray[np.bool_]
 Logprobs = npt.NDArray[np.float32]
 
 _U32 = np.dtype(np.uint32)
-_TAIL = 4
-"""Ids compared at the end of a candidate prefix before the full comparison."""
-_COLUMNS = np.arange(_TAIL)
-_SCAN = 16
-"""Earlier contexts tried one by one for a call's parent before the vector filter."""
-_RECENT = 32
-"""A new chain's break is classified against the chains most recently extended before it
-(and the first chain, and the chain it branched from): all of them in an episode of up to
-this many chains, so the cost stays linear in the calls however many chains there are."""
-_WINDOW = 24
-"""Ids decoded on each side of a break's first difference for its report."""
-_SURVIVES = 0.5
-"""Share of the context's inserted ids after a difference that must reappear in the new
-prompt for the break to be a re-render rather than a compaction."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,46 +112,6 @@ class Call:
     its chain as context, never trained."""
     source: object = None
     """What the call was read from (opaque here: the builder's ModelCall)."""
-
-
-class BreakKind(StrEnum):
-    """Why a chain other than the first started (see the module docstring)."""
-
-    CHAT_TEMPLATE = "chat_template"
-    RETOKENIZATION = "retokenization"
-    COMPACTION = "compaction"
-    SIDE_CHAIN = "side_chain"
-    OTHER = "other"
-
-
-class Dropped(StrEnum):
-    """Why merging left a call's completion tokens untrained."""
-
-    RETRIED = "retried"
-    UNUSED_CHOICE = "unused_choice"
-    SEQ_CONFLICT = "seq_conflict"
-    """Another copy of the same seq, with other contents, was kept."""
-    CONSTRAINED = "constrained"
-    """Sampled under constrained decoding: log-probs the trainer cannot recompute."""
-
-
-@dataclass(frozen=True, slots=True)
-class Break:
-    """Where one chain started, against the nearest earlier context."""
-
-    kind: BreakKind
-    seq: int
-    """The call that started the chain."""
-    nearest_seq: int
-    """The call whose context it was compared with (-1: there was none)."""
-    position: int
-    """First position where the call's prompt differs from that context."""
-    recorded: str = ""
-    """The context around `position`, decoded (empty without a decoder)."""
-    sent: str = ""
-    """The call's prompt around `position`, decoded."""
-    temperature_change: bool = False
-    """It extends the nearest chain but was sampled at another temperature."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,20 +189,6 @@ class MergeResult:
         return self.dropped_calls[Dropped.SEQ_CONFLICT]
 
 
-@dataclass(slots=True)
-class _Node:
-    call: Call
-    prompt: bytes
-    context: bytes
-    parent: int = -1
-    """Index of the parent node, -1 for a root."""
-    children: list[int] = dataclasses.field(default_factory=list)
-    height: int = 0
-    """Calls on the longest line of descendants from this one."""
-    head: bool = True
-    """Starts a chain."""
-
-
 def merge(calls: Sequence[Call], *, decode: Decode | None = None) -> MergeResult:
     """Merge one episode attempt's calls into chains (see the module docstring).
 
@@ -253,15 +207,15 @@ def merge(calls: Sequence[Call], *, decode: Decode | None = None) -> MergeResult
     dropped: Counter[Dropped] = Counter()
     dropped_calls: Counter[Dropped] = Counter()
     unique, captured = _one_per_seq(calls, dropped, dropped_calls)
-    nodes = _tree(unique)
-    nodes = _drop_alternatives(nodes, dropped, dropped_calls)
-    chains = _chains(nodes)
+    nodes = build_tree(unique)
+    nodes = drop_alternatives(nodes, dropped, dropped_calls)
+    chains = cut_chains(nodes)
     segments = [_segment([nodes[i].call for i in chain]) for chain in chains]
     for node in nodes:
         if node.call.constrained:
             dropped[Dropped.CONSTRAINED] += len(node.call.completion_ids)
             dropped_calls[Dropped.CONSTRAINED] += 1
-    breaks = tuple(_breaks(nodes, chains, decode))
+    breaks = tuple(find_breaks(nodes, chains, decode))
     return MergeResult(
         segments=segments,
         breaks=breaks,
@@ -291,39 +245,7 @@ def truncate(segment: Segment, max_tokens: int) -> Segment:
     )
 
 
-def classify_break(
-    context_ids: Ids,
-    prompt_ids: Ids,
-    completion_spans: Sequence[tuple[int, int]],
-    decode: Decode | None = None,
-) -> BreakKind:
-    """What replacing `context_ids` (a chain so far) by `prompt_ids` did, by content alone.
-
-    `completion_spans` are the [start, end) positions of the completions in `context_ids`.
-    Checked in order:
-
-    - a prompt that starts with the whole context: OTHER (the chain was left for another
-      reason, such as a temperature change);
-    - RETOKENIZATION: decode(context) is a prefix of decode(prompt), same text in other ids;
-    - COMPACTION: of the inserted ids (outside completions) the context has after the first
-      difference, less than half reappear, in runs, in the rest of the prompt;
-    - CHAT_TEMPLATE: the first difference lies inside a completion span or at its end, so
-      everything before that completion is unchanged and it was re-rendered;
-    - OTHER: anything else (an earlier prompt or tool result changed in place).
-    """
-    at = _first_difference(context_ids, prompt_ids)
-    if at == len(context_ids):
-        return BreakKind.OTHER
-    if decode is not None and decode(prompt_ids.tolist()).startswith(decode(context_ids.tolist())):
-        return BreakKind.RETOKENIZATION
-    if not _survives(context_ids, prompt_ids, completion_spans, at):
-        return BreakKind.COMPACTION
-    if any(start <= at <= end for start, end in completion_spans):
-        return BreakKind.CHAT_TEMPLATE
-    return BreakKind.OTHER
-
-
-# -- the tree ---------------------------------------------------------------------------------
+# -- one call per seq ------------------------------------------------------------------------
 
 
 def _check(call: Call) -> None:
@@ -380,292 +302,12 @@ def _content(call: Call) -> tuple[bytes, bytes, bytes, int, float, str]:
     )
 
 
-def _tree(calls: list[Call]) -> list[_Node]:
-    """The calls (ascending seq) as nodes, each with its parent: the earlier call whose
-    context is the longest prefix of its prompt (the latest such call on a tie).
-
-    Earlier contexts are tried longest first; a candidate is compared byte for byte only
-    when its last _TAIL ids match the prompt's at the same place. The first _SCAN are tried
-    one by one (the parent is almost always among them); the rest, if need be, are
-    filtered by their tails in one vector operation, so an episode of many chains costs
-    linear, not quadratic, Python work."""
-    nodes: list[_Node] = []
-    by_length: list[int] = []  # node indexes, longest context first (latest first on a tie)
-    lengths = np.zeros(len(calls), dtype=np.int64)
-    tails = np.zeros((len(calls), _TAIL), dtype=np.uint32)  # right-aligned
-    for index, call in enumerate(calls):
-        prompt = call.prompt_ids.tobytes()
-        node = _Node(call, prompt, prompt + call.completion_ids.tobytes())
-        node.parent = _first_prefix(node, nodes, by_length[:_SCAN])
-        if node.parent < 0 and index > _SCAN:
-            tried = set(by_length[:_SCAN])
-            fits = np.flatnonzero(lengths[:index] <= len(call.prompt_ids))
-            if fits.size and call.prompt_ids.size:
-                positions = lengths[fits, None] - _TAIL + _COLUMNS
-                seen = call.prompt_ids[np.maximum(positions, 0)]
-                fits = fits[((seen == tails[fits]) | (positions < 0)).all(axis=1)]
-            if fits.size > 1:
-                fits = fits[np.lexsort((-fits, -lengths[fits]))]
-            rest = [j for j in fits.tolist() if j not in tried]
-            node.parent = _first_prefix(node, nodes, rest, tails_checked=True)
-        lengths[index] = len(call.prompt_ids) + len(call.completion_ids)
-        tail = call.completion_ids[-_TAIL:]
-        if len(tail) < _TAIL:
-            tail = np.concatenate((call.prompt_ids[len(tail) - _TAIL :], tail))
-        tails[index, _TAIL - len(tail) :] = tail
-        nodes.append(node)
-        _insert(by_length, index, nodes)
-    return nodes
-
-
-def _first_prefix(
-    node: _Node, nodes: list[_Node], candidates: list[int], tails_checked: bool = False
-) -> int:
-    """The first of `candidates` whose context is a prefix of the node's prompt, or -1."""
-    prompt = node.prompt
-    for j in candidates:
-        context = nodes[j].context
-        n = len(context)
-        if n > len(prompt) or (n == len(prompt) and not nodes[j].call.completion_ids.size):
-            continue  # longer, or an alternative of this call with an empty completion
-        tail = _TAIL * 4  # bytes
-        if not tails_checked and prompt[max(0, n - tail) : n] != context[-tail:]:
-            continue
-        if prompt.startswith(context):
-            return j
-    return -1
-
-
-def _insert(order: list[int], index: int, nodes: list[_Node]) -> None:
-    """Put node `index` into `order` (longest context first, later nodes first on a tie)."""
-    n = len(nodes[index].context)
-    lo, hi = 0, len(order)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(nodes[order[mid]].context) > n:
-            lo = mid + 1
-        else:
-            hi = mid
-    order.insert(lo, index)
-
-
-def _drop_alternatives(
-    nodes: list[_Node], dropped: Counter[Dropped], dropped_calls: Counter[Dropped]
-) -> list[_Node]:
-    """The nodes without the alternatives nobody used (re-indexed, children linked)."""
-    extended = {node.parent for node in nodes if node.parent >= 0}
-    alternatives: dict[bytes, list[int]] = {}
-    for i, node in enumerate(nodes):
-        alternatives.setdefault(node.prompt, []).append(i)
-    drop: set[int] = set()
-    for members in alternatives.values():
-        if len(members) < 2:
-            continue
-        used = [i for i in members if i in extended] or members[-1:]
-        spans = {nodes[i].call.span_id for i in used}
-        for i in members:
-            if i in used:
-                continue
-            call = nodes[i].call
-            reason = Dropped.UNUSED_CHOICE if call.span_id in spans else Dropped.RETRIED
-            dropped[reason] += len(call.completion_ids)
-            dropped_calls[reason] += 1
-            drop.add(i)
-    index = {old: new for new, old in enumerate(i for i in range(len(nodes)) if i not in drop)}
-    kept = []
-    for old, node in enumerate(nodes):
-        if old in drop:
-            continue
-        # A dropped node has no children, so every kept node's parent is kept.
-        node.parent = index[node.parent] if node.parent >= 0 else -1
-        kept.append(node)
-    for i, node in enumerate(kept):
-        if node.parent >= 0:
-            kept[node.parent].children.append(i)
-    return kept
-
-
-def _chains(nodes: list[_Node]) -> list[list[int]]:
-    """The chains (node indexes, ascending seq), ordered by their first calls."""
-    for i in range(len(nodes) - 1, -1, -1):  # children come after their parents
-        node = nodes[i]
-        node.height = 1 + max((nodes[c].height for c in node.children), default=0)
-    for node in nodes:
-        same = [c for c in node.children if nodes[c].call.temperature == node.call.temperature]
-        if same:
-            nodes[max(same, key=lambda c: (nodes[c].height, -c))].head = False
-    chains: list[list[int]] = []
-    of: dict[int, int] = {}
-    for i, node in enumerate(nodes):
-        if node.head:
-            of[i] = len(chains)
-            chains.append([i])
-        else:
-            of[i] = of[node.parent]
-            chains[of[i]].append(i)
-    return chains
-
-
-# -- breaks -----------------------------------------------------------------------------------
-
-
-def _breaks(nodes: list[_Node], chains: list[list[int]], decode: Decode | None) -> list[Break]:
-    """The break that started each chain after the first (see _break)."""
-    of = {i: k for k, chain in enumerate(chains) for i in chain}
-    heads = {chain[0]: k for k, chain in enumerate(chains)}
-    parents = np.array([node.parent for node in nodes], dtype=np.int64)
-    latest: dict[int, int] = {}  # chain -> its latest node so far, least recently extended first
-    out: list[Break] = []
-    for i, node in enumerate(nodes):
-        k = heads.get(i, 0)
-        if k:
-            tips = [latest[c] for c in list(latest)[-_RECENT:]]
-            tips.append(latest[0])
-            if node.parent >= 0:
-                tips.append(latest[of[node.parent]])
-            out.append(
-                _break(
-                    nodes,
-                    i,
-                    sorted(set(tips)),
-                    parents=parents,
-                    chains=chains,
-                    of=of,
-                    decode=decode,
-                )
-            )
-        chain = of[i]
-        latest.pop(chain, None)
-        latest[chain] = i
-    return out
-
-
-def _break(
-    nodes: list[_Node],
-    head: int,
-    tips: list[int],
-    *,
-    parents: npt.NDArray[np.int64],
-    chains: list[list[int]],
-    of: dict[int, int],
-    decode: Decode | None,
-) -> Break:
-    """The break that started the chain whose first call is `head`, against the earlier
-    chains as they stood then (their latest calls before it, `tips`): the one whose context
-    shares the longest prefix with the call's prompt (the latest on a tie)."""
-    node = nodes[head]
-    prompt_ids = node.call.prompt_ids
-    best, at = -1, -1
-    for tip in sorted(tips, reverse=True):  # the latest first: it wins a tie
-        call = nodes[tip].call
-        if best >= 0 and not _same_at(call, prompt_ids, at):
-            continue  # shares at most `at` ids: cannot share more than the best
-        shared = _first_difference(_ids(call), prompt_ids)
-        if shared > at:
-            best, at = tip, shared
-    last = nodes[best]
-    context_ids = _ids(last.call)
-    changed = False
-    if at == len(context_ids):  # it extends that chain, which went on without it
-        changed = node.call.temperature != last.call.temperature
-        kind = BreakKind.OTHER if changed else BreakKind.SIDE_CHAIN
-    elif _older_goes_on(nodes, parents, head):
-        kind = BreakKind.SIDE_CHAIN
-    else:
-        spans = _spans([nodes[i].call for i in chains[of[best]] if i <= best])
-        kind = classify_break(context_ids, prompt_ids, spans, decode)
-        if kind == BreakKind.COMPACTION and not node.children:
-            kind = BreakKind.SIDE_CHAIN  # a compaction goes on; a call nothing extends is aside
-    recorded = sent = ""
-    if decode is not None:
-        lo = max(0, at - _WINDOW)
-        recorded = decode(context_ids[lo : at + _WINDOW].tolist())
-        sent = decode(prompt_ids[lo : at + _WINDOW].tolist())
-    return Break(kind, node.call.seq, last.call.seq, at, recorded, sent, changed)
-
-
-def _same_at(call: Call, prompt_ids: Ids, at: int) -> bool:
-    """Whether the call's context and `prompt_ids` both have an id at `at`, the same one."""
-    if at >= len(prompt_ids):
-        return False
-    if at < len(call.prompt_ids):
-        return bool(call.prompt_ids[at] == prompt_ids[at])
-    rest = at - len(call.prompt_ids)
-    return rest < len(call.completion_ids) and bool(call.completion_ids[rest] == prompt_ids[at])
-
-
-def _older_goes_on(nodes: list[_Node], parents: npt.NDArray[np.int64], head: int) -> bool:
-    """Whether a later call extends a call older than `head` that is not on its own line
-    (the contexts its prompt starts with): a chain begun before it goes on after it."""
-    later = parents[head + 1 :]
-    older = later[(later >= 0) & (later < head)]
-    if not older.size:
-        return False
-    ancestors = []
-    at = nodes[head].parent
-    while at >= 0:
-        ancestors.append(at)
-        at = nodes[at].parent
-    return bool(np.isin(older, ancestors, invert=True).any())
-
-
-def _survives(context_ids: Ids, prompt_ids: Ids, spans: Sequence[tuple[int, int]], at: int) -> bool:
-    """Whether most of the context's inserted ids from `at` on reappear in the prompt."""
-    inside = np.zeros(len(context_ids), dtype=np.bool_)
-    for start, end in spans:
-        inside[start:end] = True
-    rest = prompt_ids[at:].tobytes()
-    total = found = 0
-    after = at + 1  # the id at `at` itself is the one that changed
-    for start, end in _runs(~inside[after:]):
-        run = context_ids[after + start : after + end]
-        total += len(run)
-        # The run's ends may be tokenized with their neighbours: look for its middle.
-        middle = run[1:-1] if len(run) > 2 else run
-        if _find_ids(rest, middle.tobytes()):
-            found += len(run)
-    return total == 0 or found >= _SURVIVES * total
-
-
-def _runs(mask: Mask) -> list[tuple[int, int]]:
-    """[start, end) of each run of True in `mask`."""
-    padded = np.concatenate(([False], mask, [False]))
-    edges = np.flatnonzero(padded[1:] != padded[:-1])
-    return list(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))
-
-
-def _find_ids(haystack: bytes, needle: bytes) -> bool:
-    """Whether uint32 ids `needle` occur in `haystack` at an id boundary."""
-    at = haystack.find(needle)
-    while at >= 0:
-        if at % 4 == 0:
-            return True
-        at = haystack.find(needle, at + 1)
-    return False
-
-
 # -- sequences --------------------------------------------------------------------------------
-
-
-def _first_difference(a: Ids, b: Ids) -> int:
-    """First position where a and b differ; the shorter length when one prefixes the other."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if differ.size else n
-
-
-def _ids(call: Call) -> Ids:
-    return np.concatenate((call.prompt_ids, call.completion_ids))
-
-
-def _spans(chain: list[Call]) -> list[tuple[int, int]]:
-    """[start, end) of each call's completion within the chain's token ids."""
-    return [(len(c.prompt_ids), len(c.prompt_ids) + len(c.completion_ids)) for c in chain]
 
 
 def _segment(chain: list[Call]) -> Segment:
     """The sequence of `chain`: its last call's prompt + completion, with masks."""
-    token_ids = _ids(chain[-1])
+    token_ids = ids_of(chain[-1])
     loss_mask = np.zeros(len(token_ids), dtype=np.bool_)
     logprobs = np.zeros(len(token_ids), dtype=np.float32)
     for call in chain:
