@@ -1,0 +1,1 @@
+"""Coding tasks for training coding agents: candidate bugs by AST mutation (`mutate`)."""
