@@ -159,3 +159,25 @@ def test_projects_are_split_never_their_tasks(projects: int) -> None:
     val = sum(1 for t in tasks if splits[t.project] == "val")
     assert 0 < val < len(tasks)
     assert splits == split_by_project(list(reversed(tasks)), 0.2)  # order does not matter
+
+
+def test_the_cli_writes_the_kept_tasks_with_their_split_and_prints_the_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from harnessrl.cli import main
+
+    records = [_task("a-1"), _task("b-1", repo="acme/b"), _task("short", problem_statement="?")]
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    out, report = tmp_path / "clean" / "out.jsonl", tmp_path / "report.json"
+    code = main(["swe", "clean", str(path), "--out", str(out), "--report", str(report)])
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed == json.loads(report.read_text())
+    assert (printed["read"], printed["kept"], printed["dropped"]) == (3, 2, {"empty_statement": 1})
+    assert printed["projects"] == {"train": 1, "val": 1}
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [w["instance_id"] for w in written] == ["a-1", "b-1"]
+    assert {w["split"] for w in written} == {"train", "val"}
+    assert main(["swe", "clean", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
+    assert "missing.jsonl: no such file" in capsys.readouterr().err

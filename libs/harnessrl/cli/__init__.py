@@ -20,6 +20,7 @@ from harnessrl.cli import (
     events_cmd,
     experiment,
     submit,
+    swe,
     trace,
     up,
 )
@@ -48,6 +49,7 @@ _COMMANDS = (
     episode,
     experiment,
     chaos,
+    swe,
 )
 
 
