@@ -1,2 +1,3 @@
 """Coding tasks for training coding agents: SWE-bench-format tasks (`tasks`), the checks
-that clean them without an environment (`clean`), candidate bugs by AST mutation (`mutate`)."""
+that clean them without an environment (`clean`), the pinned projects tasks are synthesized
+from (`projects`) as git repositories (`fetch`), candidate bugs by AST mutation (`mutate`)."""
