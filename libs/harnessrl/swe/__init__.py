@@ -1,3 +1,4 @@
 """Coding tasks for training coding agents: SWE-bench-format tasks (`tasks`), the checks
 that clean them without an environment (`clean`), the pinned projects tasks are synthesized
-from (`projects`) as git repositories (`fetch`), candidate bugs by AST mutation (`mutate`)."""
+from (`projects`) as git repositories (`fetch`), candidate bugs by AST mutation (`mutate`),
+problem statements written from what fails (`statement`)."""
