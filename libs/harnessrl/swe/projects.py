@@ -21,6 +21,8 @@ class Project:
     """The directory of the importable code, relative to the unpacked tree."""
     tests: str
     """The directory (or file) of the test suite, relative to the unpacked tree."""
+    test_requires: tuple[str, ...] = ()
+    """What its tests import besides pytest and the project (pinned requirements)."""
 
     @property
     def requirement(self) -> str:
