@@ -26,6 +26,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harnessrl.services.reward.coding_task import JUNIT_PLACEHOLDER
 from harnessrl.services.reward.run_report import address_of
 from harnessrl.swe.projects import Project
 
@@ -82,6 +83,27 @@ def environment(project: Project, envs_dir: Path, timeout_s: float = 600.0) -> P
     return target
 
 
+def import_root(project: Project) -> str:
+    """Where the tests import the project from, relative to the repository: "src" for a
+    src layout, else the repository itself."""
+    return "src" if project.code == "src" else "."
+
+
+def pytest_command(project: Project, env: Path, junit_xml: str = JUNIT_PLACEHOLDER) -> list[str]:
+    """The argv that runs the project's tests from a working copy (run in its root): the
+    environment's pytest, the copy's import root on PYTHONPATH, outcomes as `-rA` summary
+    lines and a JUnit report at `junit_xml` (by default the `{junit_xml}` placeholder that
+    builtin:tests fills in). The same command validates a task and scores it."""
+    return [
+        *("env", f"PYTHONPATH={import_root(project)}", str(_python(env)), "-m", "pytest"),
+        *("-p", "no:cacheprovider", "-rA", "-q", "--color=no", f"--junitxml={junit_xml}"),
+        # the project's own addopts (coverage, reporters) need plugins it does not ship
+        *("-o", "junit_family=xunit1", "-o", "addopts=", "--continue-on-collection-errors"),
+        *(f"--deselect={t}" if "::" in t else f"--ignore={t}" for t in project.deselect),
+        project.tests,
+    ]
+
+
 def run_tests(
     project: Project,
     repo: Path,
@@ -90,23 +112,22 @@ def run_tests(
     tests: list[str] | None = None,
 ) -> TestRun:
     """One run of the project's tests (or of `tests`, node ids) in `repo` with `env`."""
-    root = repo / "src" if project.code == "src" else repo
+    command = pytest_command(project, env)
+    if tests:
+        command = [*command[:-1], *tests]
+    return run_command(command, repo, timeout_s, what=project.requirement)
+
+
+def run_command(command: list[str], repo: Path, timeout_s: float, what: str = "") -> TestRun:
+    """One run of a pytest `command` (as `pytest_command` makes it: `{junit_xml}` is filled
+    in) in `repo`, with none of the caller's Python settings."""
     env_vars = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))},
-        "PYTHONPATH": str(root),
         "PYTHONDONTWRITEBYTECODE": "1",
-        "VIRTUAL_ENV": str(env),
-        "PATH": f"{env / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
     }
     with tempfile.TemporaryDirectory(prefix="swe-run-") as scratch:
         junit = Path(scratch) / "junit.xml"
-        argv = [
-            *(str(_python(env)), "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-q"),
-            *("--color=no", f"--junitxml={junit}", "-o", "junit_family=xunit1"),
-            # the project's own addopts (coverage, reporters) need plugins it does not ship
-            *("-o", "addopts=", "--continue-on-collection-errors"),
-            *(tests or [project.tests]),
-        ]
+        argv = [arg.replace(JUNIT_PLACEHOLDER, str(junit)) for arg in command]
         started = time.monotonic()
         try:
             done = subprocess.run(
@@ -115,6 +136,7 @@ def run_tests(
                 env=env_vars,
                 capture_output=True,
                 text=True,
+                errors="replace",
                 timeout=timeout_s,
                 check=False,
             )
@@ -123,7 +145,7 @@ def run_tests(
         seconds = time.monotonic() - started
         if done.returncode not in (0, 1) and "PASSED" not in done.stdout:
             tail = (done.stdout + done.stderr)[-2000:]
-            raise EnvError(f"{project.requirement}: pytest exited {done.returncode}: {tail}")
+            raise EnvError(f"{what or argv[0]}: pytest exited {done.returncode}: {tail}")
         outcomes = _outcomes(done.stdout)
         failures = _failure_texts(junit, outcomes)
     return TestRun(outcomes, failures, seconds)

@@ -75,6 +75,8 @@ _SYMBOL: dict[type[ast.AST], str] = {
     ast.Or: "or",
 }
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$")
+Splices = tuple[tuple[int, int, str], ...]
+"""An edit of a source: (start, end, replacement) str offsets, not overlapping."""
 KINDS = ("compare", "boolean", "constant", "operator", "arguments", "statement", "return")
 
 
@@ -98,20 +100,23 @@ def mutations(path: str, source: str) -> Iterator[Mutation]:
     tree = ast.parse(source)
     text = _Text(source)
     skip = _untouchable(tree)
-    edits: list[tuple[int, int, str, str, str]] = []  # (line, col, kind, description, new)
+    # (line, col, kind, description, splices): the edits, not the mutated sources, are held
+    # (a big module has thousands of candidates), each source made only when it is yielded
+    edits: list[tuple[int, int, str, str, Splices]] = []
     for node in ast.walk(tree):
         if id(node) in skip:
             continue
-        for kind, description, new in _edits(node, text):
-            edits.append((node.lineno, node.col_offset, kind, description, new))  # type: ignore[attr-defined]
+        for kind, description, splices in _edits(node, text):
+            edits.append((node.lineno, node.col_offset, kind, description, splices))  # type: ignore[attr-defined]
         for name in ("body", "orelse", "finalbody"):
             block = getattr(node, name, None)
             if isinstance(block, list) and len(block) >= 2:
-                for stmt, description, new in _removed_statements(block, text):
+                for stmt, description, cut in _removed_statements(block, text):
                     if id(stmt) not in skip:
-                        edits.append((stmt.lineno, stmt.col_offset, "statement", description, new))
+                        edits.append((stmt.lineno, stmt.col_offset, "statement", description, cut))
     seen: set[bytes] = set()
-    for line, _, kind, description, new in sorted(edits, key=lambda e: e[:4]):
+    for line, _, kind, description, change in sorted(edits, key=lambda e: e[:4]):
+        new = text.apply(change)
         digest = hashlib.blake2b(new.encode(), digest_size=16).digest()
         if new == source or digest in seen or not _compiles(new, path):
             continue
@@ -143,8 +148,17 @@ class _Text:
         start, end = self.span(node)
         return self.source[start:end]
 
-    def replace(self, start: int, end: int, new: str) -> str:
-        return self.source[:start] + new + self.source[end:]
+    def replace(self, start: int, end: int, new: str) -> Splices:
+        return ((start, end, new),)
+
+    def apply(self, splices: Splices) -> str:
+        """The source with each (start, end, new) of `splices` (not overlapping) applied."""
+        out, at = [], 0
+        for start, end, new in sorted(splices):
+            out += [self.source[at:start], new]
+            at = end
+        out.append(self.source[at:])
+        return "".join(out)
 
 
 def _untouchable(tree: ast.Module) -> set[int]:
@@ -189,8 +203,8 @@ def _is_main_guard(test: ast.expr) -> bool:
     )
 
 
-def _edits(node: ast.AST, text: _Text) -> Iterator[tuple[str, str, str]]:
-    """(kind, description, mutated source) for each mutation rooted at `node`."""
+def _edits(node: ast.AST, text: _Text) -> Iterator[tuple[str, str, Splices]]:
+    """(kind, description, splices) for each mutation rooted at `node`."""
     if isinstance(node, ast.Compare):
         operands = [node.left, *node.comparators]
         for i, op in enumerate(node.ops):
@@ -231,7 +245,7 @@ def _swap_operator(
     new: type[ast.AST],
     *,
     kind: str,
-) -> Iterator[tuple[str, str, str]]:
+) -> Iterator[tuple[str, str, Splices]]:
     """The operator token between `left` and `right` replaced, the rest kept."""
     _, gap_start = text.span(left)
     gap_end, _ = text.span(right)
@@ -271,7 +285,7 @@ def _token_in(gap: str, symbol: str) -> tuple[int, int] | None:
     return hits[0] if len(hits) == 1 else None
 
 
-def _constant(node: ast.Constant, text: _Text) -> Iterator[tuple[str, str, str]]:
+def _constant(node: ast.Constant, text: _Text) -> Iterator[tuple[str, str, Splices]]:
     start, end = text.span(node)
     value = node.value
     if isinstance(value, bool):
@@ -282,7 +296,7 @@ def _constant(node: ast.Constant, text: _Text) -> Iterator[tuple[str, str, str]]
                 yield "constant", f"`{value}` -> `{new}`", text.replace(start, end, str(new))
 
 
-def _swapped_arguments(node: ast.Call, text: _Text) -> Iterator[tuple[str, str, str]]:
+def _swapped_arguments(node: ast.Call, text: _Text) -> Iterator[tuple[str, str, Splices]]:
     args = node.args
     if len(args) < 2 or any(isinstance(a, ast.Starred) for a in args[:2]):
         return
@@ -290,12 +304,13 @@ def _swapped_arguments(node: ast.Call, text: _Text) -> Iterator[tuple[str, str, 
     if first == second:
         return
     (a0, a1), (b0, b1) = text.span(args[0]), text.span(args[1])
-    source = text.source
-    mutated = source[:a0] + second + source[a1:b0] + first + source[b1:]
+    mutated = ((a0, a1, second), (b0, b1, first))
     yield "arguments", f"arguments `{first}` and `{second}` swapped", mutated
 
 
-def _removed_statements(body: list[ast.stmt], text: _Text) -> Iterator[tuple[ast.stmt, str, str]]:
+def _removed_statements(
+    body: list[ast.stmt], text: _Text
+) -> Iterator[tuple[ast.stmt, str, Splices]]:
     """Each simple statement of a block, deleted with its whole lines (only when it has its
     lines to itself)."""
     for stmt in body:

@@ -12,6 +12,7 @@ of a list, the others as lists: both are read. Fields this module does not use a
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -57,7 +58,10 @@ class SweTask:
 
     @property
     def project(self) -> str:
-        return self.repo
+        """What splits and duplicates are per: the record's `project` (synthesized tasks,
+        one repository each, name it), else its repository."""
+        project = self.extra.get("project")
+        return project if isinstance(project, str) and project else self.repo
 
 
 def parse_task(record: Any) -> SweTask:
@@ -125,6 +129,59 @@ def to_record(task: SweTask) -> dict[str, Any]:
         "PASS_TO_PASS": list(task.pass_to_pass),
         **task.extra,
     }
+
+
+def to_harnessrl(task: SweTask, split: str, group_size: int | None = None) -> dict[str, Any]:
+    """The task as a line of a harnessrl task file (`harnessrl submit`): the input the
+    harness gets (the problem statement, where to clone the repository, its environment and
+    how to run its tests) and the metadata builtin:tests scores with (never shown to the
+    harness: the tests that count, the paths the patch must leave alone)."""
+    command = task.extra.get("test_command")
+    environment = task.extra.get("environment")
+    protected = sorted(
+        {
+            *([task.extra["tests_dir"]] if isinstance(task.extra.get("tests_dir"), str) else []),
+            *patch_paths(task.test_patch),
+        }
+    )
+    metadata: dict[str, Any] = {
+        "repo": task.repo,
+        "base_commit": task.base_commit,
+        "test_command": command,
+        "tests": [*task.fail_to_pass, *task.pass_to_pass],
+        "protected_paths": protected,
+        "scoring": "all_pass",
+    }
+    if task.test_patch.strip():
+        metadata["test_patch"] = task.test_patch
+    line: dict[str, Any] = {
+        "task_id": task.instance_id,
+        "split": split,
+        "input": {
+            "instance_id": task.instance_id,
+            "problem_statement": task.problem_statement,
+            "repo": task.repo,
+            "base_commit": task.base_commit,
+            "environment": environment if isinstance(environment, str) else None,
+            "test_command": _shell(command) if isinstance(command, list) else None,
+        },
+        "metadata": metadata,
+    }
+    if group_size is not None:
+        line["group_size"] = group_size
+    return line
+
+
+def _shell(command: list[str]) -> str:
+    """The test command as the agent would type it: without the report options."""
+    words: list[str] = []
+    for word in command:
+        if word.startswith(("--junitxml=", "junit_")):
+            if word.startswith("junit_") and words and words[-1] == "-o":
+                words.pop()
+            continue
+        words.append(word)
+    return shlex.join(words)
 
 
 def read_records(path: Path) -> Iterator[tuple[int, SweTask | SchemaError]]:

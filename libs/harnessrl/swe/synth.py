@@ -1,0 +1,592 @@
+"""`swe synth`: real coding tasks made from pinned open-source projects by injecting bugs
+(SWE-smith's procedure, without an LLM).
+
+For each project, in stages, each of which a rerun skips when its result is on disk:
+
+1. fetch: the pinned sdist as a git repository (`fetch.checkout`);
+2. environment: a venv with pytest and the test requirements, never the project
+   (`env.environment`);
+3. baseline: the suite run `runs` times; a test is reliable when it PASSED every time, flaky
+   when it passed only some of the time (flaky tests are in no task);
+4. candidates: AST mutations of the project's code, never its tests (`mutate.mutations`), a
+   seeded sample of at most `candidates` per project, in a seeded order;
+5. check: each candidate runs the whole suite once; FAIL_TO_PASS is the reliable tests that
+   no longer pass. Kept when 1 <= |FAIL_TO_PASS| <= `max_fail_to_pass` (so every other
+   reliable test still passes) and no kept task of the project has the same FAIL_TO_PASS;
+   at most `per_project` are kept. As in SWE-bench, the task's tests are the test files of
+   its FAIL_TO_PASS, and PASS_TO_PASS the other reliable tests of those files;
+6. task: a repository of one commit holding the buggy tree and nothing else (no history,
+   no pristine file, not even as an unreachable object), the gold patch (the fix, as a
+   `git diff` would write it), and a problem statement written from what fails.
+
+Output, under `out`:
+
+    tasks.jsonl            SWE-bench-format records (see tasks.py), with the project, its
+                           environment and the test command `clean --validate` and
+                           builtin:tests run (`project`, `environment`, `test_command`)
+    report.json            counts per stage and drop reasons, wall time per stage
+    repos/<id>.git         one bare repository per task
+    envs/<name>-<version>  the environments (a task's `environment`)
+    work/                  sdists, pristine checkouts, per-candidate results (for resuming);
+                           never in an agent's reach
+
+Candidates are checked by `jobs` workers, each in its own copy of the project; a test run
+that hangs is cut at `timeout_factor` times the baseline's duration (plus 10 s).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import heapq
+import os
+import queue
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from harnessrl.swe import env as envs
+from harnessrl.swe.fetch import GIT_IDENTITY, checkout
+from harnessrl.swe.mutate import Mutation, mutations
+from harnessrl.swe.projects import Project
+from harnessrl.swe.statement import Failure, problem_statement
+from harnessrl.swe.tasks import is_test_path
+
+STAGES = ("fetch", "environment", "baseline", "candidates", "check", "task")
+
+
+@dataclass(frozen=True, slots=True)
+class SynthSettings:
+    runs: int = 3
+    """Baseline runs: a test is reliable when it PASSED in every one."""
+    candidates: int = 150
+    """Most candidate bugs checked per project."""
+    per_project: int = 40
+    """Most tasks kept per project (checking stops there)."""
+    max_fail_to_pass: int = 20
+    """Most tests one bug may break (more: the bug is not a focused task)."""
+    seed: int = 0
+    """Which candidates are drawn, and in which order."""
+    jobs: int = 2
+    """Candidates checked at once (one test run each)."""
+    timeout_factor: float = 4.0
+    """A candidate's run is cut at this many times the baseline's (plus 10 s)."""
+
+
+@dataclass(slots=True)
+class ProjectReport:
+    project: str
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    reliable: int = 0
+    flaky: int = 0
+    baseline_seconds: float = 0.0
+    mutations: int = 0
+    """Candidate bugs the project's code has (before sampling)."""
+    candidates: int = 0
+    checked: int = 0
+    kept: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    error: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "project": self.project,
+            "reliable_tests": self.reliable,
+            "flaky_tests": self.flaky,
+            "baseline_seconds": round(self.baseline_seconds, 2),
+            "mutations": self.mutations,
+            "candidates": self.candidates,
+            "checked": self.checked,
+            "kept": self.kept,
+            "dropped": dict(sorted(self.dropped.items())),
+            "stage_seconds": {k: round(v, 1) for k, v in self.stage_seconds.items()},
+            **({"error": self.error} if self.error else {}),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    key: str
+    """Stable id: a digest of the project, the seed and the mutation."""
+    mutation: Mutation
+
+
+def synthesize(
+    projects: list[Project],
+    out: Path,
+    settings: SynthSettings,
+    on_progress: Callable[[str, int, int], None] | None = None,
+    prepared: Mapping[str, tuple[Path, Path]] | None = None,
+) -> dict[str, Any]:
+    """Every stage for every project; returns the report (also written to out/report.json)
+    and writes out/tasks.jsonl. A project that fails a stage is reported with its error; the
+    others go on. `prepared` maps a project's requirement to its (checkout, environment)
+    when those exist already (a checkout made elsewhere, a prebuilt venv): fetch and
+    environment are then skipped."""
+    started = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    reports = []
+    for project in projects:
+        report = ProjectReport(project.requirement)
+        try:
+            ready = (prepared or {}).get(project.requirement)
+            _project(project, out, settings, report, on_progress, ready=ready)
+        except (envs.EnvError, RuntimeError, OSError, subprocess.SubprocessError) as err:
+            report.error = f"{type(err).__name__}: {err}"[-2000:]
+        reports.append(report)
+    records = _gather(out, projects)
+    with (out / "tasks.jsonl.tmp").open("wb") as f:
+        for record in records:
+            f.write(orjson.dumps(record) + b"\n")
+    (out / "tasks.jsonl.tmp").replace(out / "tasks.jsonl")
+    dropped: Counter[str] = Counter()
+    for report in reports:
+        dropped.update(report.dropped)
+    summary = {
+        "tasks": len(records),
+        "projects_with_tasks": len({r["project"] for r in records}),
+        "candidates": sum(r.candidates for r in reports),
+        "checked": sum(r.checked for r in reports),
+        "kept": sum(r.kept for r in reports),
+        "dropped": dict(sorted(dropped.items())),
+        "errors": sum(1 for r in reports if r.error),
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "settings": {name: getattr(settings, name) for name in SynthSettings.__dataclass_fields__},
+        "projects": [r.as_json() for r in reports],
+        "tasks_file": str(out / "tasks.jsonl"),
+    }
+    (out / "report.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    return summary
+
+
+@dataclass(slots=True)
+class _Job:
+    """One project's check stage: what every candidate's check reads and updates."""
+
+    project: Project
+    pristine: Path
+    env: Path
+    out: Path
+    settings: SynthSettings
+    report: ProjectReport
+    reliable: list[str]
+    command: list[str]
+    timeout_s: float
+    kept_sets: set[tuple[str, ...]]
+    kept: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def check(self, candidate: Candidate, copy: Path) -> dict[str, Any]:
+        """The candidate's result: {"status": "kept", "record": ...} or the drop reason
+        ("skipped" once enough are kept: not recorded, so a larger run checks it)."""
+        with self.lock:
+            if self.kept >= self.settings.per_project:
+                return {"status": "skipped"}
+        mutation = candidate.mutation
+        target = copy / mutation.path
+        original = target.read_bytes()
+        target.write_bytes(mutation.source.encode("utf-8"))
+        try:
+            run = envs.run_command(self.command, copy, self.timeout_s, self.project.requirement)
+        finally:
+            target.write_bytes(original)
+        if run.timed_out:
+            return {"status": "timeout"}
+        broken = sorted(t for t in self.reliable if run.outcomes.get(t) != "PASSED")
+        if not broken:
+            return {"status": "no_failing_tests"}
+        if len(broken) > self.settings.max_fail_to_pass:
+            return {"status": "too_many_failing_tests", "broken": len(broken)}
+        with self.lock:
+            if tuple(broken) in self.kept_sets:
+                return {"status": "duplicate_failing_tests"}
+            if self.kept >= self.settings.per_project:
+                return {"status": "skipped"}
+            self.kept_sets.add(tuple(broken))
+            self.kept += 1
+        started = time.monotonic()
+        record = self.task(candidate, broken, run)
+        with self.lock:
+            stages = self.report.stage_seconds
+            stages["task"] = stages.get("task", 0.0) + time.monotonic() - started
+        return {"status": "kept", "FAIL_TO_PASS": broken, "record": record}
+
+    def task(self, candidate: Candidate, broken: list[str], run: envs.TestRun) -> dict[str, Any]:
+        """The task's repository, and its SWE-bench-format record."""
+        project, mutation = self.project, candidate.mutation
+        instance_id = f"{project.name}-{project.version}__{mutation.kind}-{candidate.key[:10]}"
+        original = (self.pristine / mutation.path).read_bytes().decode("utf-8")
+        patch = unified_patch(mutation.path, mutation.source, original)
+        repo = self.out / "repos" / f"{instance_id}.git"
+        commit = task_repository(self.pristine, {mutation.path: mutation.source}, repo)
+        fix_lines = [
+            line[1:]
+            for line in patch.splitlines()
+            if line[:1] in "+-" and not line.startswith(("+++", "---"))
+        ]
+        failures = [Failure(test, _reported(run, test)) for test in broken]
+        # As SWE-bench does: the task runs the test files of its failing tests, and
+        # PASS_TO_PASS is what else passes there (the whole suite was checked above).
+        files = sorted({test.split("::", 1)[0] for test in broken})
+        broken_set = set(broken)
+        return {
+            "instance_id": instance_id,
+            "repo": str(repo.resolve()),
+            "base_commit": commit,
+            "patch": patch,
+            "test_patch": "",
+            "problem_statement": problem_statement(project.name, failures, fix_lines),
+            "FAIL_TO_PASS": broken,
+            "PASS_TO_PASS": [
+                t for t in self.reliable if t.split("::", 1)[0] in files and t not in broken_set
+            ],
+            "project": project.requirement,
+            "environment": str(self.env.resolve()),
+            "test_command": [*self.command[:-1], *files],
+            "tests_dir": project.tests,
+            "mutation": {
+                "path": mutation.path,
+                "kind": mutation.kind,
+                "line": mutation.line,
+                "description": mutation.description,
+            },
+        }
+
+
+def _project(
+    project: Project,
+    out: Path,
+    settings: SynthSettings,
+    report: ProjectReport,
+    on_progress: Callable[[str, int, int], None] | None,
+    *,
+    ready: tuple[Path, Path] | None,
+) -> None:
+    work = out / "work"
+    name = f"{project.name}-{project.version}"
+    clock = _Clock(report)
+    if ready is not None:
+        pristine, env = ready
+    else:
+        with clock("fetch"):
+            pristine = checkout(project, work / "checkouts", work / "sdists")
+        with clock("environment"):
+            env = envs.environment(project, out / "envs")
+    with clock("baseline"):
+        reliable, flaky, seconds = _baseline(project, pristine, env, settings, work / name)
+    report.reliable, report.flaky, report.baseline_seconds = len(reliable), len(flaky), seconds
+    with clock("candidates"):
+        candidates, report.mutations = _candidates(project, pristine, settings)
+    report.candidates = len(candidates)
+    results_path = work / name / f"results-{settings.seed}.jsonl"
+    done = _read_results(results_path)
+    kept = [r for r in done.values() if r["status"] == "kept"]
+    job = _Job(
+        project,
+        pristine,
+        env,
+        out,
+        settings,
+        report,
+        reliable,
+        envs.pytest_command(project, env),
+        settings.timeout_factor * seconds + 10.0,
+        kept_sets={tuple(r["FAIL_TO_PASS"]) for r in kept},
+        kept=len(kept),
+    )
+    for result in done.values():
+        report.checked += 1
+        _count(report, result["status"])
+    todo = [c for c in candidates if c.key not in done]
+    with clock("check"):
+        _check_all(job, todo, work / name, results_path, on_progress)
+    report.kept = job.kept
+
+
+def _check_all(
+    job: _Job,
+    todo: list[Candidate],
+    scratch: Path,
+    results_path: Path,
+    on_progress: Callable[[str, int, int], None] | None,
+) -> None:
+    if not todo:
+        return
+    jobs = max(1, min(job.settings.jobs, len(todo)))
+    copies: queue.Queue[Path] = queue.Queue()
+    for i in range(jobs):
+        copy = scratch / f"copy-{i}"
+        if copy.exists():
+            shutil.rmtree(copy)
+        _export(job.pristine, copy)
+        copies.put(copy)
+    write_lock = threading.Lock()
+    report = job.report
+    total = report.checked + len(todo)
+
+    def one(candidate: Candidate) -> None:
+        copy = copies.get()
+        try:
+            result = job.check(candidate, copy)
+        finally:
+            copies.put(copy)
+        if result["status"] == "skipped":
+            return
+        line = orjson.dumps({"key": candidate.key, **result}) + b"\n"
+        with write_lock:
+            with results_path.open("ab") as f:
+                f.write(line)
+            report.checked += 1
+            _count(report, result["status"])
+            if on_progress is not None:
+                on_progress(report.project, report.checked, total)
+
+    with ThreadPoolExecutor(jobs, thread_name_prefix="swe-check") as pool:
+        for future in [pool.submit(one, c) for c in todo]:
+            future.result()
+    for i in range(jobs):
+        shutil.rmtree(scratch / f"copy-{i}", ignore_errors=True)
+
+
+def _count(report: ProjectReport, status: str) -> None:
+    if status != "kept":
+        report.dropped[status] += 1
+
+
+def _baseline(
+    project: Project, pristine: Path, env: Path, settings: SynthSettings, scratch: Path
+) -> tuple[list[str], list[str], float]:
+    """(reliable tests, flaky tests, median run seconds), cached in scratch/baseline.json."""
+    cache = scratch / "baseline.json"
+    if cache.is_file():
+        data = orjson.loads(cache.read_bytes())
+        if data.get("runs") == settings.runs:
+            return data["reliable"], data["flaky"], data["seconds"]
+    scratch.mkdir(parents=True, exist_ok=True)
+    copy = scratch / "baseline-copy"
+    if copy.exists():
+        shutil.rmtree(copy)
+    _export(pristine, copy)
+    try:
+        command = envs.pytest_command(project, env)
+        runs = [
+            envs.run_command(command, copy, 1800.0, what=project.requirement)
+            for _ in range(max(1, settings.runs))
+        ]
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+    if any(run.timed_out for run in runs):
+        raise envs.EnvError(f"{project.requirement}: the baseline run timed out")
+    passed = [run.passed for run in runs]
+    reliable = sorted(set.intersection(*passed))
+    flaky = sorted(set.union(*passed) - set(reliable))
+    if not reliable:
+        raise envs.EnvError(f"{project.requirement}: no test passes at baseline")
+    seconds = statistics.median(run.seconds for run in runs)
+    cache.write_bytes(
+        orjson.dumps(
+            {"runs": settings.runs, "reliable": reliable, "flaky": flaky, "seconds": seconds}
+        )
+    )
+    return reliable, flaky, seconds
+
+
+def code_files(project: Project, repo: Path) -> list[str]:
+    """The project's code modules (repository-relative, sorted): never test code."""
+    root = repo / project.code
+    files = [root] if root.is_file() else sorted(root.rglob("*.py"))
+    out = []
+    for path in files:
+        relative = path.relative_to(repo).as_posix()
+        if not is_test_path(relative) and "/." not in f"/{relative}":
+            out.append(relative)
+    return out
+
+
+def _candidates(
+    project: Project, repo: Path, settings: SynthSettings
+) -> tuple[list[Candidate], int]:
+    """A seeded sample of the project's mutations (at most settings.candidates), in the
+    seeded order, and how many there were."""
+    heap: list[tuple[str, int, Candidate]] = []  # max-heap by key: (negated key, n, cand)
+    count = 0
+    for path in code_files(project, repo):
+        try:
+            source = (repo / path).read_bytes().decode("utf-8")  # newlines as they are
+            for candidate in _keyed(project, settings.seed, path, source):
+                count += 1
+                item = (_negated(candidate.key), count, candidate)
+                if len(heap) < settings.candidates:
+                    heapq.heappush(heap, item)
+                elif item[0] > heap[0][0]:
+                    heapq.heapreplace(heap, item)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue  # not Python 3 source: no candidates from it
+    ordered = sorted((c for _, _, c in heap), key=lambda c: c.key)
+    return ordered, count
+
+
+def _keyed(project: Project, seed: int, path: str, source: str) -> Iterator[Candidate]:
+    for mutation in mutations(path, source):
+        what = f"{project.requirement}\0{seed}\0{path}\0{mutation.line}\0{mutation.description}"
+        key = hashlib.sha256(what.encode()).hexdigest()[:16]
+        yield Candidate(key, mutation)
+
+
+def _negated(key: str) -> str:
+    """A string that sorts in the reverse order of the hex `key` (for a max-heap)."""
+    return "".join("0123456789abcdef"[15 - int(c, 16)] for c in key)
+
+
+def _read_results(path: Path) -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {}
+    if not path.is_file():
+        return results
+    for raw in path.read_bytes().splitlines():
+        try:
+            item = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            continue  # a line cut by a kill: that candidate is checked again
+        if isinstance(item, dict) and isinstance(item.get("key"), str):
+            results[item["key"]] = item
+    return results
+
+
+def _reported(run: envs.TestRun, test: str) -> str:
+    """What the run says of a test that no longer passes."""
+    outcome = run.outcomes.get(test)
+    if outcome is None:
+        return "E   pytest no longer collects this test (it is not in the run at all)"
+    return run.failures.get(test) or f"E   reported {outcome}"
+
+
+def _gather(out: Path, projects: list[Project]) -> list[dict[str, Any]]:
+    """Every kept task's record, by project then candidate key."""
+    records = []
+    for project in projects:
+        directory = out / "work" / f"{project.name}-{project.version}"
+        for path in sorted(directory.glob("results-*.jsonl")):
+            results = _read_results(path)
+            for key in sorted(results):
+                record = results[key].get("record")
+                if results[key]["status"] == "kept" and isinstance(record, dict):
+                    records.append(record)
+    seen: set[str] = set()
+    unique = []
+    for record in records:
+        if record["instance_id"] not in seen:
+            seen.add(record["instance_id"])
+            unique.append(record)
+    return unique
+
+
+def unified_patch(path: str, before: str, after: str) -> str:
+    """The change from `before` to `after` of the file at `path`, as `git diff` writes it
+    (`git apply` takes it)."""
+    lines = difflib.unified_diff(
+        before.splitlines(keepends=True),
+        after.splitlines(keepends=True),
+        f"a/{path}",
+        f"b/{path}",
+    )
+    body = []
+    for line in lines:
+        body.append(line)
+        if not line.endswith("\n"):
+            body.append("\n\\ No newline at end of file\n")
+    return f"diff --git a/{path} b/{path}\n" + "".join(body)
+
+
+def task_repository(pristine: Path, changes: dict[str, str], repo: Path) -> str:
+    """A bare repository at `repo` whose one commit is `pristine`'s HEAD tree with
+    `changes` (path -> new text) written over it; its commit id (the same tree gives the
+    same id: fixed author and date). Only the objects of that tree are in it."""
+    if repo.exists():
+        head = _git(repo, "rev-parse", "--verify", "-q", "HEAD")
+        if head.returncode == 0:
+            return head.stdout.strip()
+        shutil.rmtree(repo)
+    repo.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=repo.parent))
+    building = Path(tempfile.mkdtemp(prefix=".building-", dir=repo.parent))
+    try:
+        _export(pristine, staging)
+        for path, text in changes.items():
+            (staging / path).write_bytes(text.encode("utf-8"))
+        git_dir = str(building)
+        for args in (
+            ("init", "-q", "--bare", git_dir),
+            ("--git-dir", git_dir, "--work-tree", str(staging), "add", "-A", "-f", "."),
+            ("--git-dir", git_dir, "--work-tree", str(staging), "commit", "-q", "-m", "import"),
+        ):
+            done = _git(staging, *args)
+            if done.returncode != 0:
+                raise RuntimeError(f"git {' '.join(args[:3])}: {done.stderr.strip()}")
+        (building / "index").unlink(missing_ok=True)
+        for hook in (building / "hooks").glob("*"):
+            hook.unlink()
+        building.rename(repo)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(building, ignore_errors=True)
+    head = _git(repo, "rev-parse", "HEAD")
+    return head.stdout.strip()
+
+
+def _export(repo: Path, into: Path) -> None:
+    """`repo`'s HEAD tree (tracked files only) into `into`."""
+    into.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(
+        ["git", "-C", str(repo), "archive", "--format=tar", "HEAD"],
+        capture_output=True,
+        check=True,
+    )
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+
+
+def _git(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **GIT_IDENTITY, "GIT_CONFIG_NOSYSTEM": "1"}
+    env["GIT_CONFIG_GLOBAL"] = os.devnull
+    return subprocess.run(
+        ["git", "-c", "init.defaultBranch=main", "-c", "core.autocrlf=false", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+class _Clock:
+    """Adds each stage's wall time to the report."""
+
+    def __init__(self, report: ProjectReport) -> None:
+        self._report = report
+
+    def __call__(self, stage: str) -> _Timed:
+        return _Timed(self._report, stage)
+
+
+class _Timed:
+    def __init__(self, report: ProjectReport, stage: str) -> None:
+        self._report, self._stage = report, stage
+
+    def __enter__(self) -> None:
+        self._started = time.monotonic()
+
+    def __exit__(self, *_: object) -> None:
+        seconds = time.monotonic() - self._started
+        self._report.stage_seconds[self._stage] = (
+            self._report.stage_seconds.get(self._stage, 0.0) + seconds
+        )

@@ -1,0 +1,222 @@
+"""Task synthesis and validation offline (harnessrl.swe.synth, validate, tasks.to_harnessrl):
+a small real project in a local git repository, this venv's pytest as its environment. The
+stages run for real: baseline, candidate bugs, full-suite checks, one repository per task,
+validation before and after the gold patch, resuming; the answers are written down."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import orjson
+import pytest
+
+from harnessrl.swe.projects import Project
+from harnessrl.swe.synth import (
+    SynthSettings,
+    code_files,
+    synthesize,
+    task_repository,
+    unified_patch,
+)
+from harnessrl.swe.tasks import SweTask, parse_task, to_harnessrl
+from harnessrl.swe.validate import ValidateSettings, validate
+from harnessrl.tasks import TaskLine
+from tests.repo_helpers import coding_episode, git, make_repo
+
+CALC = '''"""A tiny calculator."""
+
+
+def add(a, b):
+    return a + b
+
+
+def clamp(x, low, high):
+    if x < low:
+        return low
+    if x > high:
+        return high
+    return x
+
+
+def unused(x):
+    return x * 2
+'''
+TESTS = """from calc import add, clamp
+
+
+def test_add():
+    assert add(2, 3) == 5
+
+
+def test_add_negative():
+    assert add(-2, -3) == -5
+
+
+def test_clamp_low():
+    assert clamp(-5, 0, 10) == 0
+
+
+def test_clamp_high():
+    assert clamp(50, 0, 10) == 10
+
+
+def test_clamp_inside():
+    assert clamp(5, 0, 10) == 5
+"""
+PROJECT = Project("calc", "1.0", "0" * 64, "calc.py", "tests")
+
+
+@pytest.fixture
+def pristine(tmp_path: Path) -> Path:
+    repo = tmp_path / "calc-1.0"
+    make_repo(repo, {"calc.py": CALC, "tests/test_calc.py": TESTS})
+    # The environment: this venv's python (it has pytest, and no `calc`), without the
+    # plugins it has installed (they cost a second a run).
+    python = tmp_path / "env" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nPYTEST_DISABLE_PLUGIN_AUTOLOAD=1 exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return repo
+
+
+def _synth(pristine: Path, out: Path, **settings: object) -> dict[str, object]:
+    chosen = replace(SynthSettings(runs=2, candidates=40, per_project=50, jobs=2), **settings)
+    ready = {PROJECT.requirement: (pristine, pristine.parent / "env")}
+    return synthesize([PROJECT], out, chosen, prepared=ready)
+
+
+def test_synth_makes_validated_tasks_each_in_a_repository_of_one_commit(
+    pristine: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    report = _synth(pristine, out)
+    (project,) = report["projects"]  # type: ignore[misc]
+    assert project["reliable_tests"] == 5 and project["flaky_tests"] == 0
+    assert project["checked"] == project["candidates"] > 10
+    kept, dropped = project["kept"], project["dropped"]
+    # `unused` is tested by nothing: its mutations break no test
+    assert dropped.get("no_failing_tests", 0) >= 1
+    assert kept == report["tasks"] >= 3
+    assert kept + sum(dropped.values()) == project["checked"]
+    records = [orjson.loads(line) for line in (out / "tasks.jsonl").read_bytes().splitlines()]
+    failing_sets = [tuple(r["FAIL_TO_PASS"]) for r in records]
+    assert len(set(failing_sets)) == len(failing_sets)  # one task per failing-test set
+    for record in records:
+        task = parse_task(record)
+        assert 1 <= len(task.fail_to_pass) <= 20
+        assert set(task.fail_to_pass).isdisjoint(task.pass_to_pass)
+        assert len(task.fail_to_pass) + len(task.pass_to_pass) == 5  # one test file
+        # The repository: one commit, the buggy tree; no object holds the original code.
+        assert git(Path(task.repo), "rev-list", "--all").split() == [task.base_commit]
+        objects = git(Path(task.repo), "cat-file", "--batch-all-objects", "--batch-check")
+        original = git(pristine, "rev-parse", "HEAD:calc.py").strip()
+        assert original not in objects
+        assert "def " not in task.problem_statement.split("```")[0]
+        assert task.extra["mutation"]["path"] == "calc.py"  # type: ignore[index]
+        assert validate(task, ValidateSettings(runs=1)) is None
+    # Resuming checks nothing again and gives the same tasks.
+    again = _synth(pristine, out)
+    assert again["checked"] == report["checked"]
+    assert (out / "tasks.jsonl").read_bytes().splitlines() == [orjson.dumps(r) for r in records]
+
+
+def test_per_project_bound_and_seeded_sample(pristine: Path, tmp_path: Path) -> None:
+    first = _synth(pristine, tmp_path / "a", per_project=2, candidates=10)
+    assert first["tasks"] == 2
+    _synth(pristine, tmp_path / "b", per_project=2, candidates=10)
+    ids = [
+        [
+            orjson.loads(x)["instance_id"]
+            for x in (tmp_path / d / "tasks.jsonl").read_bytes().splitlines()
+        ]
+        for d in ("a", "b")
+    ]
+    assert ids[0] == ids[1]  # the same seed draws the same candidates
+    assert code_files(PROJECT, pristine) == ["calc.py"]
+
+
+async def test_a_synthesized_task_scores_1_with_its_gold_patch(
+    pristine: Path, tmp_path: Path
+) -> None:
+    _synth(pristine, tmp_path / "out", per_project=1)
+    (raw,) = (tmp_path / "out" / "tasks.jsonl").read_bytes().splitlines()
+    task = parse_task(orjson.loads(raw))
+    line = to_harnessrl(task, "train", group_size=4)
+    TaskLine.model_validate(line)  # a valid harnessrl task file line
+    assert line["input"]["problem_statement"] == task.problem_statement
+    assert "patch" not in line["input"] and "tests" not in line["input"]
+    assert line["metadata"]["protected_paths"] == ["tests"]
+    from harnessrl.services.reward.config import TestsSettings
+    from harnessrl.services.reward.patch_tests import TestsReward
+
+    reward = TestsReward(TestsSettings(network="on"))
+    gold = await reward(coding_episode(line["metadata"], result={"patch": task.patch}))
+    assert gold.value == 1.0, gold.message
+    empty = await reward(coding_episode(line["metadata"], result={"patch": ""}))
+    assert empty.value == 0.0 and "empty_patch" in empty.flags
+
+
+def test_unified_patch_applies_with_git(tmp_path: Path) -> None:
+    for before, after in (("a\nb\nc\n", "a\nB\nc\n"), ("a\nb", "a\nc"), ("x\n", "x\ny")):
+        repo = tmp_path / f"r{len(list(tmp_path.iterdir()))}"
+        make_repo(repo, {"f.py": before})
+        (repo / "p.diff").write_text(unified_patch("f.py", before, after))
+        subprocess.run(["git", "apply", "p.diff"], cwd=repo, check=True)
+        assert (repo / "f.py").read_text() == after
+
+
+def test_task_repository_is_reproducible(pristine: Path, tmp_path: Path) -> None:
+    changes = {"calc.py": CALC.replace("a + b", "a - b")}
+    one = task_repository(pristine, changes, tmp_path / "one.git")
+    two = task_repository(pristine, changes, tmp_path / "two.git")
+    assert one == two
+    assert task_repository(pristine, changes, tmp_path / "one.git") == one  # reused
+
+
+def _imported(pristine: Path, **fields: object) -> SweTask:
+    """An imported-style task on the pristine repo (the bug present at its base commit)."""
+    buggy = tmp = pristine.parent / f"imported-{len(list(pristine.parent.iterdir()))}"
+    make_repo(
+        tmp, {"calc.py": CALC.replace("return low", "return high"), "tests/test_calc.py": TESTS}
+    )
+    record = {
+        "instance_id": "calc-1",
+        "repo": str(buggy),
+        "base_commit": git(buggy, "rev-parse", "HEAD").strip(),
+        "patch": unified_patch("calc.py", CALC.replace("return low", "return high"), CALC),
+        "problem_statement": "clamp returns the upper bound for values below the range",
+        "FAIL_TO_PASS": ["tests/test_calc.py::test_clamp_low"],
+        "PASS_TO_PASS": ["tests/test_calc.py::test_add"],
+        "test_command": [
+            *("env", "PYTHONPATH=.", "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1", sys.executable),
+            *("-m", "pytest", "-p", "no:cacheprovider"),
+            *("-rA", "-q", "tests"),
+        ],
+    }
+    return parse_task(record | fields)
+
+
+def test_validation_drops_each_kind_of_invalid_task(pristine: Path) -> None:
+    settings = ValidateSettings(runs=2)
+    good = _imported(pristine)
+    assert validate(good, settings) is None
+    cases = {
+        "validation:no_environment": replace(good, extra={}),
+        "validation:clone_failed": replace(good, repo=str(pristine.parent / "nowhere")),
+        "validation:fail_to_pass_passes_before": replace(
+            good, fail_to_pass=("tests/test_calc.py::test_add",)
+        ),
+        "validation:pass_to_pass_fails_before": replace(
+            good, pass_to_pass=("tests/test_calc.py::test_clamp_low",)
+        ),
+        "validation:patch_failed": replace(good, patch=good.patch.replace("x < low", "x < lo")),
+        "validation:fail_to_pass_fails_after": replace(
+            good, fail_to_pass=("tests/test_calc.py::test_missing",)
+        ),
+        "validation:test_patch_failed": replace(good, test_patch="diff --git a/x b/x\nnonsense\n"),
+    }
+    for reason, task in cases.items():
+        assert validate(task, settings) == reason, reason
