@@ -12,6 +12,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+import yaml
 
 from harnessrl.swe.projects import Project
 from harnessrl.swe.synth import (
@@ -117,6 +118,14 @@ def test_synth_makes_validated_tasks_each_in_a_repository_of_one_commit(
         assert "def " not in task.problem_statement.split("```")[0]
         assert task.extra["mutation"]["path"] == "calc.py"  # type: ignore[index]
         assert validate(task, ValidateSettings(runs=1)) is None
+    # The image of the project's tasks: its environment and task repositories, never the
+    # pristine checkout; the Job template runs with a read-only root filesystem.
+    dockerfile = (out / "deploy" / "calc-1.0" / "Dockerfile").read_text()
+    assert dockerfile.count("COPY repos/calc-1.0__") == kept
+    assert "checkouts" not in dockerfile and "sdists" not in dockerfile
+    job = yaml.safe_load((out / "deploy" / "calc-1.0" / "job.yaml").read_text())
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
     # Resuming checks nothing again and gives the same tasks.
     again = _synth(pristine, out)
     assert again["checked"] == report["checked"]

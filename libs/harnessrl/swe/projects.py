@@ -40,6 +40,10 @@ PINNED: tuple[Project, ...] = (
         "src",
         "tests",
         test_requires=("hypothesis==6.170.17", "cloudpickle==3.1.3", "pympler==1.1"),
+        deselect=(
+            "tests/test_funcs.py",  # hypothesis-heavy: 9 s of the suite
+            "tests/test_3rd_party.py",
+        ),
     ),
     Project(
         "boltons",
@@ -70,6 +74,10 @@ PINNED: tuple[Project, ...] = (
         "a7db850025b95ded1eae8a46181a1a6c56c92c96f0e2b005d9ff8dc0210cab44",
         "idna",
         "tests",
+        deselect=(
+            "tests/test_idna_uts46.py",  # 6,329 generated cases, 17 s
+            "tests/test_idna_properties.py",  # needs hypothesis
+        ),
     ),
     Project(
         "more-itertools",
@@ -91,6 +99,12 @@ PINNED: tuple[Project, ...] = (
         "c4b671c41ddb9bf26e543c37723610d28fb6bf7affc4da17cf048d419d2c062a",
         "src",
         "tests",
+        test_requires=("pretend==1.0.9", "tomli-w==1.2.0"),
+        deselect=(
+            "tests/test_requirements.py",  # 5,416 generated cases, 20 s
+            "tests/test_ranges.py",
+            "tests/test_markers.py",
+        ),
     ),
     Project(
         "parse",

@@ -25,6 +25,7 @@ Output, under `out`:
                            environment and the test command `clean --validate` and
                            builtin:tests run (`project`, `environment`, `test_command`)
     report.json            counts per stage and drop reasons, wall time per stage
+    deploy/                a Dockerfile and a Kubernetes Job template per project (deploy.py)
     repos/<id>.git         one bare repository per task
     envs/<name>-<version>  the environments (a task's `environment`)
     work/                  sdists, pristine checkouts, per-candidate results (for resuming);
@@ -56,6 +57,7 @@ from typing import Any
 
 import orjson
 
+from harnessrl.swe import deploy
 from harnessrl.swe import env as envs
 from harnessrl.swe.fetch import GIT_IDENTITY, checkout
 from harnessrl.swe.mutate import Mutation, mutations
@@ -253,6 +255,7 @@ class _Job:
             ],
             "project": project.requirement,
             "environment": str(self.env.resolve()),
+            "python_path": [envs.import_root(project)],
             "test_command": [*self.command[:-1], *files],
             "tests_dir": project.tests,
             "mutation": {
@@ -312,6 +315,14 @@ def _project(
     with clock("check"):
         _check_all(job, todo, work / name, results_path, on_progress)
     report.kept = job.kept
+    if job.kept:
+        deploy.write(project, out, env, _harness_dir())
+
+
+def _harness_dir() -> Path | None:
+    """examples/swe of a source checkout (the coding harness the images carry), if here."""
+    here = Path(__file__).resolve().parents[3] / "examples" / "swe"
+    return here if (here / "launch.py").is_file() else None
 
 
 def _check_all(

@@ -163,6 +163,7 @@ def to_harnessrl(task: SweTask, split: str, group_size: int | None = None) -> di
             "repo": task.repo,
             "base_commit": task.base_commit,
             "environment": environment if isinstance(environment, str) else None,
+            "python_path": _strings(task.extra.get("python_path")),
             "test_command": _shell(command) if isinstance(command, list) else None,
         },
         "metadata": metadata,
@@ -170,6 +171,12 @@ def to_harnessrl(task: SweTask, split: str, group_size: int | None = None) -> di
     if group_size is not None:
         line["group_size"] = group_size
     return line
+
+
+def _strings(value: Any) -> list[str] | None:
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    return None
 
 
 def _shell(command: list[str]) -> str:

@@ -1,0 +1,69 @@
+"""`harnessrl swe synth` then `swe clean --validate --tasks-out` on a real pinned project
+(six, from PyPI): the small version of the pipeline `make test` runs (the full run over every
+pinned project is `make swe-tasks`). Tasks come out validated, in a task file `harnessrl
+submit` takes, and the gold patch of each scores 1 with builtin:tests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from harnessrl.services.reward.config import TestsSettings
+from harnessrl.services.reward.patch_tests import TestsReward
+from harnessrl.tasks import parse_task_file
+from tests.repo_helpers import coding_episode, git
+
+pytestmark = pytest.mark.integration
+
+
+def _harnessrl(*args: str) -> dict[str, object]:
+    done = subprocess.run(
+        [sys.executable, "-m", "harnessrl", *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report: dict[str, object] = orjson.loads(done.stdout.strip().splitlines()[-1])
+    return report
+
+
+async def test_synth_and_clean_make_tasks_the_reward_scores(tmp_path: Path) -> None:
+    out = tmp_path / "synth"
+    synth = ["swe", "synth", "--out", str(out), "--projects", "six", "--runs", "2"]
+    report = _harnessrl(*synth, "--candidates", "40", "--per-project", "3")
+    assert report["tasks"] == 3 and report["errors"] == 0
+    stages = orjson.loads((out / "report.json").read_bytes())["projects"][0]
+    assert set(stages["stage_seconds"]) >= {"fetch", "environment", "baseline", "check"}
+    assert stages["reliable_tests"] > 100 and stages["checked"] >= 3
+    assert stages["kept"] + sum(stages["dropped"].values()) == stages["checked"]
+    # Resumed: nothing is checked again.
+    assert _harnessrl(*synth, "--candidates", "40", "--per-project", "3")["checked"] == (
+        report["checked"]
+    )
+
+    clean = _harnessrl(
+        *("swe", "clean", str(out / "tasks.jsonl"), "--out", str(tmp_path / "clean.jsonl")),
+        *("--validate", "--tasks-out", str(tmp_path / "tasks.jsonl"), "--group-size", "2"),
+    )
+    assert clean["kept"] == 3 and clean["validated"] is True, clean
+    tasks = parse_task_file(tmp_path / "tasks.jsonl")
+    assert len(tasks) == 3 and all(t.group_size == 2 for t in tasks)
+    reward = TestsReward(TestsSettings())
+    records = [orjson.loads(x) for x in (tmp_path / "clean.jsonl").read_bytes().splitlines()]
+    for task, record in zip(tasks, records, strict=True):
+        assert task.metadata is not None
+        repo = Path(task.metadata["repo"])
+        assert git(repo, "rev-list", "--all").split() == [task.metadata["base_commit"]]
+        # Nothing of the fix in the agent's reach: not in the repository, not installed.
+        env = Path(task.input["environment"])
+        assert not list(env.glob("lib/python*/site-packages/six.py"))
+        gold = await reward(coding_episode(task.metadata, result={"patch": record["patch"]}))
+        assert gold.value == 1.0, gold.message
+        empty = await reward(coding_episode(task.metadata, result={"patch": ""}))
+        assert empty.value == 0.0
