@@ -8,7 +8,11 @@ alone:
      "test_command": ["python", "-m", "pytest", "-p", "no:cacheprovider",
                       "--junitxml={junit_xml}", "tests"],
      "tests": ["tests/test_x.py::test_a"], "protected_paths": ["tests"],
-     "scoring": "fraction", "timeout_s": 120}
+     "scoring": "fraction", "timeout_s": 120, "plugin_autoload": false}
+
+`plugin_autoload` (default false) lets pytest load the plugins installed in the task's
+environment by their entry points; without it the run has PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+and a task that needs a plugin names it in its command (`-p xdist.plugin`).
 
 Every problem raises ValueError naming the field, e.g. "task metadata.base_commit: required".
 """
@@ -49,6 +53,8 @@ class CodingTask:
     scoring: Scoring
     timeout_s: float
     """The settings' timeout, lowered by the metadata's."""
+    plugin_autoload: bool = False
+    """Whether pytest may load the environment's plugins by their entry points."""
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any], settings: TestsSettings) -> CodingTask:
@@ -69,6 +75,7 @@ class CodingTask:
             ),
             scoring=cast(Scoring, scoring),
             timeout_s=_timeout(metadata, settings.timeout_s),
+            plugin_autoload=_flag(metadata, "plugin_autoload"),
         )
 
     def command_with(self, junit_xml: str) -> tuple[str, ...]:
@@ -81,6 +88,22 @@ class CodingTask:
             quoted = shlex.quote(junit_xml)
             return ("sh", "-c", self.test_command.replace(JUNIT_PLACEHOLDER, quoted))
         return tuple(arg.replace(JUNIT_PLACEHOLDER, junit_xml) for arg in self.test_command)
+
+    @property
+    def writes_junit(self) -> bool:
+        """Whether the command asks for a JUnit report (holds `{junit_xml}`)."""
+        words = [self.test_command] if isinstance(self.test_command, str) else self.test_command
+        return any(JUNIT_PLACEHOLDER in word for word in words)
+
+    def command_words(self) -> tuple[str, ...]:
+        """The command's words: the argv, or a string command split as the shell would
+        (on whitespace when it does not split)."""
+        if not isinstance(self.test_command, str):
+            return self.test_command
+        try:
+            return tuple(shlex.split(self.test_command))
+        except ValueError:
+            return tuple(self.test_command.split())
 
 
 def _text(metadata: Mapping[str, Any], name: str) -> str:
@@ -140,6 +163,13 @@ def _relative(where: str, path: str) -> str:
     if not parts:
         raise ValueError(f"task metadata.{where}: names the whole repository")
     return "/".join(parts)
+
+
+def _flag(metadata: Mapping[str, Any], name: str) -> bool:
+    value = metadata.get(name, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"task metadata.{name}: must be true or false")
+    return value
 
 
 def _timeout(metadata: Mapping[str, Any], ceiling: float) -> float:

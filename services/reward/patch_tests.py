@@ -2,15 +2,41 @@
 
 For each episode: the task's repository is cloned at its base commit into a fresh directory
 (deleted afterwards, whatever happens), the harness's patch is applied, and the task's test
-command runs there, contained (see `sandbox`). The score is the share of the named tests
-that pass ("fraction") or 1 only when all pass ("all_pass"); without named tests, 1 when
-the command exits 0. Scores of 0 carry a flag saying why:
+command runs there, contained (see `sandbox`). The score is graded from what the runner
+reports (see `grading`; only a test the runner reports PASSED passes). The run scores the
+patch's code against a pristine copy of the tests and of everything that decides how they
+run:
 
-- empty_patch: the harness produced no patch (nothing is run);
-- patch_failed: git could not apply it (git's message is the score's);
-- tests_modified: it changes a protected path, the task's tests (nothing is run);
-- timeout: the test run was cut at its timeout;
-- tests_missing (with any value): a named test appears in no report; it counts as failed.
+1. Refused (score 0, nothing is run, a flag per kind; see `patch_rules`): a patch that
+   changes a test file, a conftest.py, pytest's configuration, `.gitattributes`, what
+   Python or pytest import before or around the tests (sitecustomize, .pth, a module
+   shadowing the runner or the standard library, a plugin module, package metadata
+   declaring a plugin, code reaching into the runner), compiled code, or a symbolic link.
+   A fix may change the rest of pyproject.toml, setup.cfg and tox.ini.
+2. Restored from the commit before the run: the task's protected paths (the rule above
+   already refuses any change there; this is defence in depth), caches (.pytest_cache) and
+   package metadata a harness left behind.
+3. Run with an environment the repository cannot influence (`sandbox.clean_env`: none of
+   the caller's variables, no user site-packages) plus, for pytest, PYTEST_ADDOPTS
+   `-p no:cacheprovider -rA` (no cache read from the copy; the short summary that
+   confirms the JUnit report) and PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 unless the task sets
+   `plugin_autoload`. pytest then reads the commit's configuration, content for content
+   (rule 1), so its rootdir and ini file are the commit's and the node ids the task names
+   stay as they were; the reward does not pin `-c`/`--rootdir` or clear `addopts`, which
+   are the task's own choice in its command. A task command that sets PYTEST_ADDOPTS
+   itself replaces this one.
+
+Flags: empty_patch (nothing is run), patch_failed (git could not apply it: paths out of the
+repository or into .git included), the refusal flags of `patch_rules`, and the run's flags
+of `grading` (timeout, early_exit, report_invalid, tests_skipped, tests_xfailed,
+tests_xpassed, tests_missing).
+
+What no check here reaches: code the patch puts in the package runs inside the test process
+when the tests import it, and such code can rewrite the runner's reports in memory. The
+code scan of `patch_rules` refuses the plain forms, the run's checks catch the effects of
+the common ones (skips, xfail marks, an early exit, a forged report without the summary
+lines); a determined rewrite of pytest's internals from obfuscated package code is not
+detected.
 
 The metadata fields are described in `coding_task`. Infrastructure problems (git missing,
 a clone timing out, no network namespace where one is required) raise: the reward is then
@@ -33,25 +59,41 @@ from harnessrl.logs import get_logger
 from harnessrl.services.reward.coding_task import CodingTask
 from harnessrl.services.reward.config import TestsSettings
 from harnessrl.services.reward.episode import Episode, Score
+from harnessrl.services.reward.grading import grade, listed
+from harnessrl.services.reward.patch_rules import (
+    Pristine,
+    Refusal,
+    leftovers,
+    needs_contents,
+    pristine,
+    refusals,
+)
+from harnessrl.services.reward.pytest_config import (
+    CONFIG_NAMES,
+    plugins_in_conftest,
+    plugins_in_settings,
+    settings_of,
+)
 from harnessrl.services.reward.repo_copy import (
+    Change,
+    TrackedFile,
     apply_patch,
-    changed_paths,
+    blobs,
+    changes,
     clone_at,
-    protected_in,
     restore,
+    tracked,
 )
-from harnessrl.services.reward.run_report import (
-    RunReport,
-    SummaryScanner,
-    outcome_of,
-    read_report,
-)
+from harnessrl.services.reward.run_report import RunReport, SummaryScanner, read_report
 from harnessrl.services.reward.sandbox import NetworkPolicy, RunOutcome, clean_env, run_group
 
 log = get_logger(__name__)
 
-_LISTED = 10
-"""Most test names a message lists."""
+PYTEST_ADDOPTS = "-p no:cacheprovider -rA"
+"""Given to every run's pytest: no cache read from (or written to) the copy; the short
+summary of every outcome, which confirms the JUnit report."""
+_REGULAR = ("100644", "100755")
+"""git modes of regular files (not links, not submodules)."""
 
 
 class TestsReward:
@@ -84,23 +126,22 @@ class TestsReward:
     ) -> Score:
         copy = workdir / "repo"
         await clone_at(task.repo, task.base_commit, copy)
+        base = await tracked(copy)
+        view = await _pristine(copy, base, task)
         patch_path = workdir / "patch.diff"
         text = patch if patch.endswith("\n") else patch + "\n"  # git needs the last newline
         patch_path.write_bytes(text.encode("utf-8", "surrogateescape"))
         error = await apply_patch(copy, patch_path)
         if error is not None:
             return Score(0.0, flags=("patch_failed",), message=f"git apply: {error}")
-        touched = protected_in(await changed_paths(copy), task.protected_paths)
-        if touched:
-            return Score(
-                0.0,
-                components={"protected_paths_touched": float(len(touched))},
-                flags=("tests_modified",),
-                message=f"the patch changes protected paths: {_listed(touched)}",
-            )
-        await restore(copy, task.protected_paths)  # defence in depth: the check above holds
+        changed = await changes(copy)
+        refused = await _refusals(copy, base, changed, view)
+        if refused:
+            return _refused(refused)
+        await restore(copy, task.protected_paths)  # defence in depth: the rules above hold
+        await restore(copy, leftovers(changed, view))
         outcome, report = await self._run(task, workdir, copy, prefix)
-        return _grade(task, outcome, report)
+        return grade(task, outcome, report)
 
     async def _run(
         self, task: CodingTask, workdir: Path, copy: Path, prefix: tuple[str, ...]
@@ -111,7 +152,7 @@ class TestsReward:
         junit_xml = reports / "junit.xml"
         summary = SummaryScanner()
         command = task.command_with(str(junit_xml))
-        env = clean_env(home, tmp)
+        env = clean_env(home, tmp) | runner_env(task)
         # Checked here, not left to exec: under unshare a missing program is exit code 127.
         if "/" not in command[0] and shutil.which(command[0], path=env["PATH"]) is None:
             raise ValueError(f"task metadata.test_command[0]: {command[0]!r} is not on PATH")
@@ -143,55 +184,72 @@ def read_patch(episode: Episode, settings: TestsSettings) -> str:
     return ""
 
 
-def _grade(task: CodingTask, outcome: RunOutcome, report: RunReport) -> Score:
-    components: dict[str, float] = {}
-    if outcome.exit_code is not None:
-        components["exit_code"] = float(outcome.exit_code)
-    tail = outcome.output_tail.decode("utf-8", "replace").strip()
-    notes = [report.note] if report.note else []
-    if outcome.timed_out:
-        message = f"test run killed after its {task.timeout_s:g} s timeout"
-        return Score(0.0, components, ("timeout",), _message(message, notes, tail))
-    if not task.tests:
-        if report.cases:
-            components["tests_passed"] = float(sum(case.passed for case in report.cases))
-            components["tests_total"] = float(len(report.cases))
-        if outcome.exit_code == 0:
-            return Score(1.0, components, (), "the test command exited 0")
-        message = f"the test command exited {outcome.exit_code}"
-        return Score(0.0, components, (), _message(message, notes, tail))
-    outcomes = {name: outcome_of(name, report.cases) for name in task.tests}
-    passed = [name for name, ok in outcomes.items() if ok]
-    failed = [name for name, ok in outcomes.items() if ok is False]
-    missing = [name for name, ok in outcomes.items() if ok is None]
-    components["tests_passed"] = float(len(passed))
-    components["tests_total"] = float(len(task.tests))
-    if task.scoring == "fraction":
-        value = len(passed) / len(task.tests)
-    else:
-        value = 1.0 if len(passed) == len(task.tests) else 0.0
-    flags = ("tests_missing",) if missing else ()
-    if not failed and not missing:
-        return Score(value, components, flags, f"all {len(passed)} named tests passed")
-    parts = [f"{len(passed)} of {len(task.tests)} named tests passed"]
-    if failed:
-        parts.append(f"failed: {_listed(failed)}")
-    if missing:
-        where = "no test report found" if report.source == "none" else "not in the report"
-        parts.append(f"{where}: {_listed(missing)}")
-    return Score(value, components, flags, _message("; ".join(parts), notes, tail))
+def runner_env(task: CodingTask) -> dict[str, str]:
+    """The variables that pin how pytest runs (see the module docstring)."""
+    env = {"PYTEST_ADDOPTS": PYTEST_ADDOPTS}
+    if not task.plugin_autoload:
+        env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    return env
 
 
-def _message(summary: str, notes: list[str], tail: str) -> str:
-    lines = [summary, *notes]
-    if tail:
-        lines.append(f"output (end):\n{tail}")
-    return "\n".join(lines)
+async def _pristine(copy: Path, base: dict[str, TrackedFile], task: CodingTask) -> Pristine:
+    """The commit's view of its tests; its conftests and configuration read for the plugin
+    modules they load."""
+    configs = {
+        path: file
+        for path, file in base.items()
+        if file.mode in _REGULAR and Path(path).name in (*CONFIG_NAMES, "conftest.py")
+    }
+    data = await blobs(copy, (file.blob for file in configs.values()))
+    modules: set[str] = set()
+    for path, file in configs.items():
+        if Path(path).name == "conftest.py":
+            modules |= plugins_in_conftest(data[file.blob])
+        elif (settings := settings_of(path, data[file.blob])) is not None:
+            modules |= plugins_in_settings(settings)
+    return pristine(base, task.protected_paths, task.command_words(), modules)
 
 
-def _listed(names: list[str]) -> str:
-    shown = ", ".join(names[:_LISTED])
-    return shown if len(names) <= _LISTED else f"{shown} and {len(names) - _LISTED} more"
+async def _refusals(
+    copy: Path, base: dict[str, TrackedFile], changed: list[Change], view: Pristine
+) -> list[Refusal]:
+    """`patch_rules.refusals` of the patched copy: both sides of what they read, the
+    commit's side from its objects."""
+    links = await asyncio.to_thread(_links, copy, changed)
+    wanted = [c for c in changed if needs_contents(c)]
+    ids = {
+        c.path: base[c.path].blob
+        for c in wanted
+        if c.path in base and base[c.path].mode in _REGULAR
+    }
+    old = await blobs(copy, ids.values())
+    contents = {}
+    for change in wanted:
+        before = old[ids[change.path]] if change.path in ids else None
+        after = None
+        if change.kind != "deleted" and change.path not in links:
+            after = await asyncio.to_thread(_read, copy / change.path)
+        contents[change.path] = (before, after)
+    return refusals(changed, links, contents, view)
+
+
+def _links(copy: Path, changed: list[Change]) -> set[str]:
+    return {c.path for c in changed if c.kind != "deleted" and (copy / c.path).is_symlink()}
+
+
+def _read(path: Path) -> bytes | None:
+    return path.read_bytes() if path.is_file() else None
+
+
+def _refused(found: list[Refusal]) -> Score:
+    flags = tuple(sorted({r.flag for r in found}))
+    shown = [f"{r.path}: {r.why} ({r.flag})" for r in found]
+    return Score(
+        0.0,
+        components={"refused_paths": float(len(found))},
+        flags=flags,
+        message=f"the patch changes what decides how the tests run: {listed(shown)}",
+    )
 
 
 def _remove(path: Path) -> None:

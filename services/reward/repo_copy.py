@@ -7,7 +7,8 @@ timeout, and is killed with its children when it runs over or its caller is canc
 
 What the patch touched is read from git's status after applying it: the copy was clean, so
 every changed, deleted, added or ignored path is the patch's, both sides of a rename
-included (`--no-renames`).
+included (`--no-renames`). The commit's own files (`tracked`, `blobs`) are read from its
+objects, never from the working tree the patch changed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from harnessrl.services.reward.sandbox import kill_group
 
@@ -112,7 +114,18 @@ async def apply_patch(copy: Path, patch: Path) -> str | None:
     return applied.stderr or f"exit code {applied.returncode}"
 
 
-async def changed_paths(copy: Path) -> list[str]:
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One path the patch changed in the copy."""
+
+    path: str
+    """Repository-relative, with "/" separators."""
+    kind: Literal["added", "modified", "deleted"]
+    """added: not in the commit (untracked or ignored now); modified: content, mode or type
+    (a file made a symbolic link) differs; deleted: gone from the working tree."""
+
+
+async def changes(copy: Path) -> list[Change]:
     """Every path of the copy that differs from its commit: modified, deleted, added, ignored."""
     status = _checked(
         await _git(
@@ -126,15 +139,62 @@ async def changed_paths(copy: Path) -> list[str]:
         ),
         "git status",
     )
-    # Each entry is "XY <path>"; with --no-renames none carries a second path.
-    return [os.fsdecode(entry[3:]) for entry in status.stdout.split(b"\0") if entry]
+    found = []
+    # Each entry is "XY <path>"; with --no-renames none carries a second path. The index
+    # is the commit's (git apply without --index), so the worktree column Y tells the kind.
+    for entry in status.stdout.split(b"\0"):
+        if not entry:
+            continue
+        code, path = entry[:2], os.fsdecode(entry[3:])
+        if code in (b"??", b"!!"):
+            found.append(Change(path, "added"))
+        elif code[1:] == b"D":
+            found.append(Change(path, "deleted"))
+        else:
+            found.append(Change(path, "modified"))
+    return found
 
 
-def protected_in(paths: Iterable[str], protected: Sequence[str]) -> list[str]:
-    """The paths equal to a protected path or under one (protected paths are normalised)."""
-    return sorted(
-        path for path in set(paths) if any(path == p or path.startswith(p + "/") for p in protected)
-    )
+@dataclass(frozen=True, slots=True)
+class TrackedFile:
+    """A file of the commit."""
+
+    mode: str
+    """git's octal mode: "100644", "100755", "120000" (a symbolic link), "160000" (a
+    submodule)."""
+    blob: str
+    """The object id of its content."""
+
+
+async def tracked(copy: Path) -> dict[str, TrackedFile]:
+    """The commit's files (HEAD of the copy), by repository-relative path."""
+    listed = _checked(await _git("ls-tree", "-r", "-z", "HEAD", cwd=copy), "git ls-tree")
+    files = {}
+    for entry in listed.stdout.split(b"\0"):
+        if entry:
+            meta, _, path = entry.partition(b"\t")
+            mode, _, blob = meta.decode().split(" ")
+            files[os.fsdecode(path)] = TrackedFile(mode, blob)
+    return files
+
+
+async def blobs(copy: Path, ids: Iterable[str]) -> dict[str, bytes]:
+    """The contents of the given blob ids, read from the copy's objects in one git call."""
+    wanted = list(dict.fromkeys(ids))
+    if not wanted:
+        return {}
+    request = "".join(f"{blob}\n" for blob in wanted).encode()
+    batch = _checked(await _git("cat-file", "--batch", cwd=copy, stdin=request), "git cat-file")
+    out, data, at = {}, batch.stdout, 0
+    for blob in wanted:  # each answer: "<id> <type> <size>\n<content>\n"
+        end = data.index(b"\n", at)
+        header = data[at:end].decode().split(" ")
+        if len(header) != 3 or header[1] != "blob":
+            raise RuntimeError(f"git cat-file: {blob} is not a blob ({' '.join(header[1:])})")
+        size = int(header[2])
+        out[blob] = data[end + 1 : end + 1 + size]
+        at = end + 1 + size + 1
+    return out
 
 
 async def restore(copy: Path, protected: Sequence[str]) -> None:

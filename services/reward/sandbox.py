@@ -61,7 +61,9 @@ def clean_env(home: Path, tmp: Path) -> dict[str, str]:
     PATH: the caller's, so the task's tools are found. HOME and TMPDIR: directories of the
     run (deleted with it), so nothing lands in the caller's. LANG: a UTF-8 locale, so tools
     do not fall back to ASCII. PYTHONDONTWRITEBYTECODE: no .pyc files in the copy.
-    Everything else (PYTHONPATH, VIRTUAL_ENV, credentials, proxies) is left out.
+    PYTHONNOUSERSITE: no user site-packages (HOME is the run's, but a test may point HOME
+    into the copy). Everything else (PYTHONPATH, VIRTUAL_ENV, PYTEST_*, credentials,
+    proxies) is left out.
     """
     return {
         "PATH": os.environ.get("PATH", os.defpath),
@@ -69,6 +71,7 @@ def clean_env(home: Path, tmp: Path) -> dict[str, str]:
         "TMPDIR": str(tmp),
         "LANG": "C.UTF-8",
         "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONNOUSERSITE": "1",
     }
 
 

@@ -14,6 +14,8 @@ import pytest
 
 from harnessrl.services.reward.config import TestsSettings
 from harnessrl.services.reward.patch_tests import TestsReward
+from harnessrl.swe.env import project_copies
+from harnessrl.swe.projects import pinned
 from harnessrl.tasks import parse_task_file
 from tests.repo_helpers import coding_episode, git
 
@@ -43,8 +45,9 @@ async def test_synth_and_clean_make_tasks_the_reward_scores(tmp_path: Path) -> N
     assert stages["reliable_tests"] > 100 and stages["checked"] >= 3
     assert stages["kept"] + sum(stages["dropped"].values()) == stages["checked"]
     # Resumed: nothing is checked again.
-    assert _harnessrl(*synth, "--candidates", "40", "--per-project", "3")["checked"] == (
-        report["checked"]
+    assert (
+        _harnessrl(*synth, "--candidates", "40", "--per-project", "3")["checked"]
+        == (report["checked"])
     )
 
     clean = _harnessrl(
@@ -53,6 +56,7 @@ async def test_synth_and_clean_make_tasks_the_reward_scores(tmp_path: Path) -> N
     )
     assert clean["kept"] == 3 and clean["validated"] is True, clean
     tasks = parse_task_file(tmp_path / "tasks.jsonl")
+    (six,) = pinned(["six"])
     assert len(tasks) == 3 and all(t.group_size == 2 for t in tasks)
     reward = TestsReward(TestsSettings())
     records = [orjson.loads(x) for x in (tmp_path / "clean.jsonl").read_bytes().splitlines()]
@@ -62,7 +66,7 @@ async def test_synth_and_clean_make_tasks_the_reward_scores(tmp_path: Path) -> N
         assert git(repo, "rev-list", "--all").split() == [task.metadata["base_commit"]]
         # Nothing of the fix in the agent's reach: not in the repository, not installed.
         env = Path(task.input["environment"])
-        assert not list(env.glob("lib/python*/site-packages/six.py"))
+        assert project_copies(six, env) == []  # no six.py, not even vendored
         gold = await reward(coding_episode(task.metadata, result={"patch": record["patch"]}))
         assert gold.value == 1.0, gold.message
         empty = await reward(coding_episode(task.metadata, result={"patch": ""}))

@@ -7,6 +7,7 @@ against it, and scores the patch with `TestsReward` as the reward service would.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import shlex
@@ -206,6 +207,7 @@ async def test_patch_that_does_not_apply_is_flagged_patch_failed(
         ({"scoring": "most"}, "task metadata.scoring:"),
         ({"timeout_s": -1}, "task metadata.timeout_s:"),
         ({"timeout_s": True}, "task metadata.timeout_s:"),
+        ({"plugin_autoload": "yes"}, "task metadata.plugin_autoload:"),
         ({"base_commit": "0" * 40}, "task metadata.base_commit:"),
         ({"repo": "/nonexistent/harnessrl/repo"}, "task metadata.repo:"),
     ],
@@ -216,6 +218,95 @@ async def test_bad_metadata_raises_naming_the_field(
     patch = project.patch({"calc.py": FIXED})
     with pytest.raises(ValueError, match=re.escape(field)):
         await score(settings, project.metadata(**overrides), result={"patch": patch})
+
+
+ENV_PROBE = """import json, os, sys
+names = ["PYTEST_ADDOPTS", "PYTEST_DISABLE_PLUGIN_AUTOLOAD", "PYTHONNOUSERSITE", "SECRET"]
+json.dump({n: os.environ.get(n) for n in names}, open(sys.argv[1], "w"))
+"""
+
+
+@pytest.mark.parametrize("autoload", [False, True])
+async def test_run_environment_pins_pytest_and_leaves_the_callers_out(
+    project: Project,
+    settings: config.TestsSettings,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    autoload: bool,
+) -> None:
+    monkeypatch.setenv("SECRET", "the caller's")
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-p the_callers_plugin")
+    seen = tmp_path / "env.json"
+    command = [sys.executable, "-c", ENV_PROBE, str(seen)]
+    metadata = project.metadata(test_command=command, tests=[], plugin_autoload=autoload)
+    result = await score(settings, metadata, result={"patch": project.patch({"calc.py": FIXED})})
+    assert result.value == 1.0, result.message
+    assert json.loads(seen.read_text()) == {
+        "PYTEST_ADDOPTS": "-p no:cacheprovider -rA",
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": None if autoload else "1",
+        "PYTHONNOUSERSITE": "1",
+        "SECRET": None,
+    }
+
+
+async def test_patch_changing_a_file_the_test_command_runs_is_flagged_tests_modified(
+    tmp_path: Path, settings: config.TestsSettings
+) -> None:
+    script = "set -e\n" + " ".join(shlex.quote(a) for a in PYTEST) + ' "$@" tests\n'
+    files = {"calc.py": CALC, "tests/test_calc.py": TESTS, "ci/run_tests.sh": script}
+    repo = tmp_path / "scripted"
+    project = Project(repo, make_repo(repo, files), tmp_path)
+    metadata = project.metadata(
+        test_command=["sh", "ci/run_tests.sh", "--junitxml={junit_xml}"], protected_paths=[]
+    )
+    fixed = await score(settings, metadata, result={"patch": project.patch({"calc.py": FIXED})})
+    assert fixed.value == 1.0, fixed.message
+    gamed = project.patch({"ci/run_tests.sh": "exit 0\n"})
+    result = await score(settings, metadata, result={"patch": gamed})
+    assert (result.value, result.flags) == (0.0, ("tests_modified",))
+    assert "ci/run_tests.sh" in result.message
+
+
+PASSING_PLUGIN = """import pytest
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    return (yield)
+"""
+
+
+@pytest.mark.parametrize(
+    "config_files",
+    [
+        {"conftest.py": "pytest_plugins = ['helpers.plugin']\n", "pytest.ini": "[pytest]\n"},
+        {"pytest.ini": "[pytest]\naddopts = -p helpers.plugin\n"},
+    ],
+    ids=["conftest-pytest-plugins", "ini-addopts"],
+)
+async def test_patch_changing_a_plugin_the_tests_load_is_flagged_runner_patched(
+    tmp_path: Path, settings: config.TestsSettings, config_files: dict[str, str]
+) -> None:
+    files = {
+        "calc.py": CALC,
+        "tests/test_calc.py": TESTS,
+        "helpers/__init__.py": "",
+        "helpers/plugin.py": PASSING_PLUGIN,
+        **config_files,
+    }
+    repo = tmp_path / "with-plugin"
+    project = Project(repo, make_repo(repo, files), tmp_path)
+    command = ["env", "PYTHONPATH=.", *PYTEST, "--junitxml={junit_xml}", "tests"]
+    metadata = project.metadata(test_command=command)
+    fixed = await score(settings, metadata, result={"patch": project.patch({"calc.py": FIXED})})
+    assert fixed.value == 1.0, fixed.message
+    forcing = PASSING_PLUGIN.replace(
+        "return (yield)", "report = yield\n    report.outcome = 'passed'\n    return report"
+    )
+    gamed = project.patch({"helpers/plugin.py": forcing})
+    result = await score(settings, metadata, result={"patch": gamed})
+    assert (result.value, result.flags) == (0.0, ("runner_patched",)), result.message
+    assert "helpers/plugin.py: a module the tests' configuration loads" in result.message
 
 
 def _hanging_project(root: Path, pid_file: Path) -> Project:

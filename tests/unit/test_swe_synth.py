@@ -168,6 +168,13 @@ async def test_a_synthesized_task_scores_1_with_its_gold_patch(
     assert empty.value == 0.0 and "empty_patch" in empty.flags
 
 
+def test_the_report_placeholder_is_the_rewards() -> None:
+    from harnessrl.services.reward.coding_task import JUNIT_PLACEHOLDER as REWARDS
+    from harnessrl.swe.env import JUNIT_PLACEHOLDER
+
+    assert JUNIT_PLACEHOLDER == REWARDS
+
+
 def test_unified_patch_applies_with_git(tmp_path: Path) -> None:
     for before, after in (("a\nb\nc\n", "a\nB\nc\n"), ("a\nb", "a\nc"), ("x\n", "x\ny")):
         repo = tmp_path / f"r{len(list(tmp_path.iterdir()))}"

@@ -7,7 +7,9 @@ step (which tests pass reliably, before any bug is injected).
 
 The environment holds the test runner and the project's test dependencies but never the
 project itself: the tests import the code from the working copy (its import root on
-PYTHONPATH), so no pristine copy of the code is in the agent's reach. Outcomes are read
+PYTHONPATH), so no pristine copy of the code is in the agent's reach. pip and setuptools
+are removed once the install is done (they vendor six, packaging, idna, more_itertools),
+and a build that still holds a module named like the project anywhere fails. Outcomes are read
 from pytest's `-rA` summary lines (node ids as pytest prints them); failure texts from its
 JUnit report. A test counts as passing only when pytest says PASSED: not skipped, not
 xfailed, not deselected.
@@ -26,12 +28,16 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harnessrl.services.reward.coding_task import JUNIT_PLACEHOLDER
 from harnessrl.services.reward.run_report import address_of
 from harnessrl.swe.projects import Project
 
+JUNIT_PLACEHOLDER = "{junit_xml}"
+"""Where a test command's JUnit report goes: builtin:tests' placeholder (coding_task), the
+same text, not imported, so the CLI's help stays light."""
 PYTEST = "pytest==9.2.0"
 """The test runner every environment gets (pinned, so outcomes do not drift with it)."""
+_RECIPE = "recipe 2: pip and setuptools removed after the install"
+"""In the stamp: an environment built by an older recipe is built again."""
 _SUMMARY = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
 
 
@@ -56,9 +62,9 @@ class TestRun:
 def environment(project: Project, envs_dir: Path, timeout_s: float = 600.0) -> Path:
     """envs_dir/<name>-<version>: a venv with PYTEST and the project's test requirements
     (built once; a venv whose build did not finish is built again)."""
-    target = envs_dir / f"{project.name}-{project.version}"
+    target = (envs_dir / f"{project.name}-{project.version}").resolve()
     stamp = target / ".harnessrl-built"
-    wanted = "\n".join([PYTEST, *project.test_requires]) + "\n"
+    wanted = "\n".join([_RECIPE, PYTEST, *project.test_requires]) + "\n"
     if stamp.is_file() and stamp.read_text() == wanted:
         return target
     if target.exists():
@@ -79,8 +85,42 @@ def environment(project: Project, envs_dir: Path, timeout_s: float = 600.0) -> P
         raise EnvError(
             f"{project.requirement}: installing test requirements: {done.stderr[-2000:]}"
         )
+    # pip and setuptools vendor copies of projects tasks are made from (six, packaging,
+    # idna, more_itertools): they go, and nothing of the project may be left anywhere in it.
+    _run_pip(target, ["uninstall", "--yes", "pip", "setuptools"], project, timeout_s)
+    copies = project_copies(project, target)
+    if copies:
+        raise EnvError(f"{project.requirement}: the environment holds the project: {copies}")
     stamp.write_text(wanted)
     return target
+
+
+def project_copies(project: Project, env: Path) -> list[str]:
+    """Paths in the environment that hold a module or package named like the project's
+    (at any depth: a vendored copy counts); [] for a clean environment."""
+    wanted = {project.name.replace("-", "_").lower()}
+    if not project.code.endswith(".py") and project.code != "src":
+        wanted.add(Path(project.code).name.lower())
+    if project.code.endswith(".py"):
+        wanted.add(Path(project.code).stem.lower())
+    found = []
+    for path in env.rglob("*"):
+        stem = path.name[:-3] if path.name.endswith(".py") else path.name
+        if stem.lower() in wanted and (path.suffix == ".py" or (path / "__init__.py").is_file()):
+            found.append(str(path.relative_to(env)))
+    return sorted(found)
+
+
+def _run_pip(env: Path, args: list[str], project: Project, timeout_s: float) -> None:
+    done = subprocess.run(
+        [str(_python(env)), "-m", "pip", "--disable-pip-version-check", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise EnvError(f"{project.requirement}: pip {args[0]}: {done.stderr[-2000:]}")
 
 
 def import_root(project: Project) -> str:

@@ -137,6 +137,7 @@ def synthesize(
     when those exist already (a checkout made elsewhere, a prebuilt venv): fetch and
     environment are then skipped."""
     started = time.monotonic()
+    out = out.resolve()  # the paths in the records are absolute, and commands run elsewhere
     out.mkdir(parents=True, exist_ok=True)
     reports = []
     for project in projects:
@@ -449,10 +450,14 @@ def _candidates(
 
 
 def _keyed(project: Project, seed: int, path: str, source: str) -> Iterator[Candidate]:
+    seen: Counter[tuple[int, str]] = Counter()
     for mutation in mutations(path, source):
         what = f"{project.requirement}\0{seed}\0{path}\0{mutation.line}\0{mutation.description}"
-        key = hashlib.sha256(what.encode()).hexdigest()[:16]
-        yield Candidate(key, mutation)
+        # two edits of one line can read alike (`1` -> `2` twice): the later ones numbered
+        nth = seen[mutation.line, mutation.description]
+        seen[mutation.line, mutation.description] += 1
+        key = hashlib.sha256(f"{what}\0{nth}".encode() if nth else what.encode()).hexdigest()
+        yield Candidate(key[:16], mutation)
 
 
 def _negated(key: str) -> str:
