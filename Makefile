@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # for torch>=2.4, which that satisfies, so pip never pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: venv protos lint test test-full demo bench-bus clean
+.PHONY: venv protos lint test test-full demo bench-bus clean swe-tasks swe-smoke swe-harness swe-coder
 
 venv: $(STAMP)
 
@@ -27,12 +27,19 @@ lint: venv
 	$(BIN)/ruff format --check libs services bench tests protos examples
 	$(BIN)/mypy
 
-test: lint qwen3-tiny
+# bubblewrap, which the sandbox of local harness runs needs (tests/integration/
+# test_harness_sandbox.py; skipped without it unless CI=true). CI starts as root on a clean
+# Debian machine: install it there when it is missing.
+.PHONY: sandbox-tools
+sandbox-tools:
+	command -v bwrap >/dev/null || { apt-get install -y bubblewrap || { apt-get update && apt-get install -y bubblewrap; }; }
+
+test: lint qwen3-tiny sandbox-tools
 	$(BIN)/python -m pytest
 
 # The same tests with the long versions of the heaviest suites: the fuzzers send 3x the
 # requests, the chaos run lasts five minutes (~35 minutes on 2 cores instead of ~20).
-test-full: lint qwen3-tiny
+test-full: lint qwen3-tiny sandbox-tools
 	HARNESSRL_TEST_FULL=1 $(BIN)/python -m pytest
 
 # The real Qwen3 tokenizer and chat template (npm, pinned with its integrity in the lock
@@ -72,6 +79,32 @@ harness-clis: $(HARNESS_CLIS)
 $(HARNESS_CLIS): tests/harnesses/package.json tests/harnesses/package-lock.json
 	npm ci --ignore-scripts --no-audit --no-fund --prefix tests/harnesses
 	touch $(HARNESS_CLIS)
+
+# Coding agents (examples/swe). swe-tasks: the whole task pipeline over every pinned project
+# (~50 minutes on 2 cores; resumable: a rerun goes on where it stopped). swe-smoke: the whole
+# loop on CPU, mini-swe-agent through the stack on a synthesized six task with the planted
+# smoke policy (examples/swe-coder), 4 training steps (~10 minutes).
+SWE_OUT ?= runs/swe
+swe-harness: venv
+	$(BIN)/python examples/swe/install.py
+
+swe-coder: qwen3-tiny
+	test -f examples/swe-coder/model/model.safetensors || $(BIN)/python examples/swe-coder/build.py
+
+swe-tasks: venv
+	$(BIN)/harnessrl swe synth --out $(SWE_OUT)/synth
+	$(BIN)/harnessrl swe clean $(SWE_OUT)/synth/tasks.jsonl --out $(SWE_OUT)/clean.jsonl \
+		--validate --tasks-out $(SWE_OUT)/tasks.jsonl --report $(SWE_OUT)/clean-report.json
+
+swe-smoke: swe-harness swe-coder
+	$(BIN)/harnessrl swe synth --out runs/swe-smoke/synth --projects six --runs 2 \
+		--candidates 40 --per-project 3
+	$(BIN)/harnessrl swe clean runs/swe-smoke/synth/tasks.jsonl --out runs/swe-smoke/clean.jsonl \
+		--validate --tasks-out runs/swe-smoke/tasks.jsonl
+	$(BIN)/python examples/swe/smoke_tasks.py runs/swe-smoke/tasks.jsonl runs/swe-smoke
+	$(BIN)/harnessrl experiment --config examples/swe/smoke.yaml --run-dir runs/swe-smoke/run \
+		--train runs/swe-smoke/train.jsonl --val runs/swe-smoke/val.jsonl --steps 4 \
+		--group-size 4 --val-group-size 8 --backlog 1
 
 bench-bus: venv
 	$(BIN)/harnessrl bench bus

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from harnessrl.config import MiB, Section, ServiceConfig, ServiceSection, real_secret
 
@@ -45,7 +46,8 @@ class HarnessSpec(Section):
     controller's own interpreter) imports once; each run is then forked from it instead of
     started afresh, which saves the interpreter start and those imports (e.g. ["openai"]:
     ~0.5 s of CPU per run). The run is otherwise the same: own session, directory,
-    environment, argv, stdio. Empty: every run is a fresh process."""
+    environment, argv, stdio. Empty: every run is a fresh process. Sandboxed runs
+    (controller.sandbox) never use it: they are executed through bwrap."""
 
 
 class KubernetesSettings(Section):
@@ -82,6 +84,56 @@ class KubernetesSettings(Section):
     """Largest result JSON reported; a longer one is truncated (result_truncated)."""
     delete_after_collect: bool = True
     """Delete a Job once its result is read; else keep it (for its TTL) labelled collected."""
+
+
+GiB = 1024 * MiB
+MAX_SANDBOX_UID = 2**31 - 1
+"""Highest uid a sandboxed run gets (uids stay positive as signed 32-bit numbers, which
+some tools assume)."""
+
+
+class SandboxSettings(Section):
+    """How local harness runs are contained (see services/controller/sandbox.py)."""
+
+    mode: Literal["off", "bwrap", "auto"] = "off"
+    """off: runs execute as the controller's user with its view of the machine; bwrap: each
+    run in a bubblewrap sandbox (a run whose sandbox cannot be set up fails as an
+    infrastructure error, never runs unsandboxed); auto: bwrap when it is installed, else
+    off (with a warning at start)."""
+    bwrap: str = "bwrap"
+    """The bubblewrap program (a name looked up on PATH, or a path)."""
+    read_only: list[Path] = []
+    """Absolute paths a harness may read besides the system directories, the Python
+    installations and what its command names (e.g. a task's venv, a dataset)."""
+    max_processes: int = Field(default=1024, ge=8)
+    """Processes and threads one run may have at once (its sandbox's init included); a
+    fork bomb stops here."""
+    max_address_space_bytes: int | None = Field(default=16 * GiB, ge=64 * MiB)
+    """Virtual memory of each process of a run (RLIMIT_AS); None: unlimited."""
+    max_file_bytes: int | None = Field(default=4 * GiB, ge=1 * MiB)
+    """Largest file a run's process may write (RLIMIT_FSIZE); None: unlimited."""
+    max_open_files: int = Field(default=4096, ge=64)
+    """Open file descriptors of each process of a run (RLIMIT_NOFILE)."""
+    max_cpu_s: int | None = Field(default=3600, ge=1)
+    """CPU seconds of each process of a run (RLIMIT_CPU); None: unlimited."""
+    tmp_bytes: int = Field(default=1 * GiB, ge=1 * MiB)
+    """Size of the run's private /tmp and /dev/shm (memory-backed)."""
+    max_gateway_connections: int = Field(default=128, ge=1)
+    """Connections a run may hold open to the gateway at once."""
+    uid_base: int = Field(default=2_100_000_000, ge=1000, le=MAX_SANDBOX_UID)
+    """Controller running as root: runs get the unprivileged uids uid_base, uid_base+1, ...
+    (one per run in progress, so each run's process limit is its own). Two controllers on
+    one machine need distinct ranges."""
+    setup_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest the sandbox may take to start the harness before the run fails."""
+
+    @field_validator("read_only")
+    @classmethod
+    def _absolute(cls, value: list[Path]) -> list[Path]:
+        relative = [str(path) for path in value if not path.is_absolute()]
+        if relative:
+            raise ValueError(f"{', '.join(relative)}: not absolute (the sandbox has no cwd)")
+        return value
 
 
 class ControllerSection(ServiceSection):
@@ -137,6 +189,8 @@ class ControllerSection(ServiceSection):
     kubernetes: KubernetesSettings | None = None
     """Where and how harnesses run as Kubernetes Jobs (required when runner is
     "kubernetes")."""
+    sandbox: SandboxSettings = SandboxSettings()
+    """Local runner: the containment of each harness run (default off)."""
 
     _secrets = field_validator("token_secret", "admin_token")(real_secret)
 
@@ -150,6 +204,27 @@ class ControllerSection(ServiceSection):
                 "(their secrets among them); a harness never inherits them"
             )
         return value
+
+    @field_validator("gateway_url")
+    @classmethod
+    def _gateway_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        try:
+            parts.port  # noqa: B018 - raises on a malformed port
+        except ValueError as err:
+            raise ValueError(f"{value!r}: {err}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{value!r} is not an http(s)://host[:port] URL")
+        return value
+
+    @model_validator(mode="after")
+    def _sandbox_is_local(self) -> ControllerSection:
+        if self.runner != "local" and self.sandbox.mode != "off":
+            raise ValueError(
+                "sandbox.mode: contains local runs only; a Kubernetes Job's pod is contained "
+                "by its template (set controller.sandbox.mode: off)"
+            )
+        return self
 
 
 class ControllerConfig(ServiceConfig):

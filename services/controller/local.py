@@ -13,6 +13,10 @@ no orphan survives an episode.
 A record per run (`state_dir/runs/<episode>-<attempt>.json`: pid, process group) lets a
 restarted controller find what it was running: those runs are killed (their exit status
 cannot be known any more) and reported "abandoned", and the controller retries them.
+
+With `controller.sandbox` on, each run is executed inside bubblewrap instead (`sandbox.py`:
+what it can see, write and reach); the process group above is then the sandbox's init's,
+which passes SIGTERM on to every process of the run and whose death ends them all.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import signal
 import time
 from collections import deque
@@ -30,6 +35,7 @@ from typing import IO
 import orjson
 
 from harnessrl.logs import get_logger
+from harnessrl.services.controller.config import ControllerSection
 from harnessrl.services.controller.forkserver import ForkedProcess, ForkServer, forkable
 from harnessrl.services.controller.runner import (
     LaunchError,
@@ -39,8 +45,11 @@ from harnessrl.services.controller.runner import (
     RunResult,
     parse_result,
 )
+from harnessrl.services.controller.sandbox import Sandbox, SandboxedProcess
 
 log = get_logger(__name__)
+
+RunProcess = asyncio.subprocess.Process | ForkedProcess | SandboxedProcess
 
 _TAIL_LINES = 50
 
@@ -71,7 +80,7 @@ class LocalRun:
         self.attempt = attempt
         self.workdir = workdir
         self.ref = ""
-        self._process: asyncio.subprocess.Process | ForkedProcess | None = None
+        self._process: RunProcess | None = None
         self._result: RunResult | None = None
         self._done = asyncio.Event()
         self._killed: str | None = None
@@ -85,7 +94,10 @@ class LocalRun:
         self.workdir.mkdir(parents=True, exist_ok=True)
         inherited = self._runner.inherited_env()
         env = {**inherited, **spec.env, "HARNESSRL_OUTPUT": str(self.workdir / "result.json")}
-        forkserver = await self._runner.forkserver(spec)
+        sandbox = self._runner.sandbox
+        if sandbox is not None:  # never forked: the fork server runs unsandboxed
+            self._process = await sandbox.spawn(spec.command, self.workdir, env)
+        forkserver = await self._runner.forkserver(spec) if sandbox is None else None
         if forkserver is not None:
             try:
                 self._process = await forkserver.spawn(spec.command, self.workdir, env)
@@ -207,7 +219,7 @@ class LocalRun:
             )
         )
 
-    async def _terminate(self, process: asyncio.subprocess.Process | ForkedProcess) -> None:
+    async def _terminate(self, process: RunProcess) -> None:
         _killpg(process.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(process.wait(), self._runner.kill_grace_s)
@@ -262,8 +274,11 @@ class LocalRunner:
         result_cap_bytes: int,
         kill_grace_s: float,
         inherit_env: list[str],
+        sandbox: Sandbox | None = None,
     ) -> None:
         self.inherit_env = inherit_env
+        self.sandbox = sandbox
+        """Where runs are contained; None: they run unsandboxed."""
         # Absolute: each run's directory is its harness's cwd, and HARNESSRL_OUTPUT and the
         # artifacts URI must name it from anywhere.
         self.workdir = workdir.resolve()
@@ -285,6 +300,8 @@ class LocalRunner:
             if server is not None:
                 await server.stop()
         self._forkservers.clear()
+        if self.sandbox is not None:
+            await self.sandbox.stop()
 
     async def forkserver(self, spec: LaunchSpec) -> ForkServer | None:
         """The fork server for `spec.preload`, started on first use; None when the spec
@@ -364,3 +381,32 @@ class LocalRunner:
     def forget(self, run: LocalRun) -> None:
         (self.records / f"{_safe(run.episode_id)}-{run.attempt}.json").unlink(missing_ok=True)
         self._runs.discard(run)
+
+
+def local_runner(section: ControllerSection) -> LocalRunner:
+    """The local runner the controller's settings describe, sandboxed or not (the one
+    place `controller.sandbox.mode` is read)."""
+    settings = section.sandbox
+    sandbox = None
+    if settings.mode == "auto" and shutil.which(settings.bwrap) is None:
+        log.warning(
+            "controller.sandbox.mode is auto and bwrap is not installed: local harness runs "
+            "are NOT sandboxed",
+            bwrap=settings.bwrap,
+        )
+    elif settings.mode != "off":
+        sandbox = Sandbox(
+            settings,
+            gateway_url=section.gateway_url,
+            workdir=section.workdir,
+            state_dir=section.state_dir,
+        )
+    return LocalRunner(
+        workdir=section.workdir,
+        state_dir=section.state_dir,
+        log_cap_bytes=section.log_cap_bytes,
+        result_cap_bytes=section.result_cap_bytes,
+        kill_grace_s=section.kill_grace_s,
+        inherit_env=section.inherit_env,
+        sandbox=sandbox,
+    )

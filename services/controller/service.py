@@ -160,16 +160,9 @@ class ControllerService:
 
             assert section.kubernetes is not None  # checked in __init__
             return KubernetesRunner(section.kubernetes)
-        from harnessrl.services.controller.local import LocalRunner
+        from harnessrl.services.controller.local import local_runner
 
-        return LocalRunner(
-            workdir=section.workdir,
-            state_dir=section.state_dir,
-            log_cap_bytes=section.log_cap_bytes,
-            result_cap_bytes=section.result_cap_bytes,
-            kill_grace_s=section.kill_grace_s,
-            inherit_env=section.inherit_env,
-        )
+        return local_runner(section)
 
     async def _consume(
         self, stack: AsyncExitStack, producer: Producer, metrics: BusMetrics, admission: Admission
