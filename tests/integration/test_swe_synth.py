@@ -56,6 +56,9 @@ async def test_synth_and_clean_make_tasks_the_reward_scores(tmp_path: Path) -> N
     )
     assert clean["kept"] == 3 and clean["validated"] is True, clean
     tasks = parse_task_file(tmp_path / "tasks.jsonl")
+    train = parse_task_file(tmp_path / "tasks.train.jsonl")  # one project: all in train
+    assert [t.task_id for t in train] == [t.task_id for t in tasks]
+    assert (tmp_path / "tasks.val.jsonl").read_bytes() == b""
     (six,) = pinned(["six"])
     assert len(tasks) == 3 and all(t.group_size == 2 for t in tasks)
     reward = TestsReward(TestsSettings())

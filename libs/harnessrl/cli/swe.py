@@ -11,7 +11,8 @@ field names), drops those that fail the checks that need no environment (see
 harnessrl.swe.clean), with --validate also those that do not behave in their environment
 (harnessrl.swe.validate), splits the rest by project, and writes them in the same format
 with a `split` field ("train" or "val"); --tasks-out also writes them as a harnessrl task
-file for `harnessrl submit` (input for the harness, metadata for builtin:tests). The report
+file for `harnessrl submit` (input for the harness, metadata for builtin:tests), and each
+split beside it (TASKS.train.jsonl, TASKS.val.jsonl) for `harnessrl experiment`. The report
 (read, kept, dropped by reason, examples, seconds) is the last line printed, and written to
 --report when given.
 """
@@ -225,10 +226,13 @@ def run_clean(args: argparse.Namespace) -> int:
             out.write(orjson.dumps(to_record(task) | {"split": splits[task.project]}) + b"\n")
     if args.tasks_out is not None:
         args.tasks_out.parent.mkdir(parents=True, exist_ok=True)
+        lines = [to_harnessrl(task, splits[task.project], args.group_size) for task in kept]
         with args.tasks_out.open("wb") as out:
-            for task in kept:
-                line = to_harnessrl(task, splits[task.project], args.group_size)
-                out.write(orjson.dumps(line) + b"\n")
+            out.writelines(orjson.dumps(line) + b"\n" for line in lines)
+        for split in ("train", "val"):  # for `harnessrl experiment --train ... --val ...`
+            path = args.tasks_out.with_suffix(f".{split}.jsonl")
+            with path.open("wb") as out:
+                out.writelines(orjson.dumps(x) + b"\n" for x in lines if x["split"] == split)
     summary = report.as_json() | {
         "validated": bool(args.validate),
         "projects": {
