@@ -23,14 +23,14 @@ PLANTED = "six-1.17.0__arguments-07bbae18cf"
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print(__doc__, file=sys.stderr)
+        sys.stderr.write(__doc__ or "")
         return 2
     source, out = Path(argv[0]), Path(argv[1])
     lines = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
     planted = [line for line in lines if line["task_id"] == PLANTED]
     if not planted:
         found = ", ".join(line["task_id"] for line in lines) or "none"
-        print(f"{source}: no task {PLANTED} (found: {found})", file=sys.stderr)
+        sys.stderr.write(f"{source}: no task {PLANTED} (found: {found})\n")
         return 1
     (task,) = planted
     out.mkdir(parents=True, exist_ok=True)
@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
     val = dict(task, split="val", task_id=f"{PLANTED}-val")
     (out / "train.jsonl").write_text(json.dumps(train) + "\n")
     (out / "val.jsonl").write_text(json.dumps(val) + "\n")
-    print(f"{out}/train.jsonl and val.jsonl: {PLANTED}", file=sys.stderr)
+    sys.stderr.write(f"{out}/train.jsonl and val.jsonl: {PLANTED}\n")
     return 0
 
 
