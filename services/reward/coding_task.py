@@ -55,6 +55,10 @@ class CodingTask:
     """The settings' timeout, lowered by the metadata's."""
     plugin_autoload: bool = False
     """Whether pytest may load the environment's plugins by their entry points."""
+    test_patch: str = ""
+    """The tests of the fix (a unified diff, as SWE-bench's `test_patch`), applied after the
+    harness's patch has passed the rules, before the run; "" when the tests are already in
+    the repository (synthesized tasks). Its paths belong in `protected_paths`."""
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any], settings: TestsSettings) -> CodingTask:
@@ -76,6 +80,7 @@ class CodingTask:
             scoring=cast(Scoring, scoring),
             timeout_s=_timeout(metadata, settings.timeout_s),
             plugin_autoload=_flag(metadata, "plugin_autoload"),
+            test_patch=_optional_text(metadata, "test_patch"),
         )
 
     def command_with(self, junit_xml: str) -> tuple[str, ...]:
@@ -112,6 +117,15 @@ def _text(metadata: Mapping[str, Any], name: str) -> str:
         raise ValueError(f"task metadata.{name}: required")
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"task metadata.{name}: must be a non-empty string")
+    return value
+
+
+def _optional_text(metadata: Mapping[str, Any], name: str) -> str:
+    value = metadata.get(name)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ValueError(f"task metadata.{name}: must be a string")
     return value
 
 

@@ -140,6 +140,13 @@ class TestsReward:
             return _refused(refused)
         await restore(copy, task.protected_paths)  # defence in depth: the rules above hold
         await restore(copy, leftovers(changed, view))
+        if task.test_patch.strip():
+            tests_path = workdir / "test_patch.diff"
+            tests = task.test_patch if task.test_patch.endswith("\n") else task.test_patch + "\n"
+            tests_path.write_bytes(tests.encode("utf-8", "surrogateescape"))
+            failed = await apply_patch(copy, tests_path)
+            if failed is not None:  # the task's own tests do not apply to its commit
+                raise ValueError(f"task metadata.test_patch: does not apply: {failed}")
         outcome, report = await self._run(task, workdir, copy, prefix)
         return grade(task, outcome, report)
 

@@ -102,6 +102,31 @@ async def test_correct_patch_scores_one(project: Project, settings: config.Tests
     assert result.components == {"exit_code": 0.0, "tests_passed": 3.0, "tests_total": 3.0}
 
 
+async def test_a_test_patch_brings_the_tests_the_task_scores(
+    tmp_path: Path, settings: config.TestsSettings
+) -> None:
+    """An imported task (SWE-bench style): its tests come with `test_patch`, applied after
+    the harness's patch passed the rules; a harness writing those tests itself is refused."""
+    repo = tmp_path / "repo"
+    base = make_repo(repo, {"calc.py": CALC, "README": "calc\n"})
+    bare = Project(repo, base, tmp_path)
+    test_patch = bare.patch({"tests/test_calc.py": TESTS})
+    metadata = bare.metadata(test_patch=test_patch)
+    gold = await score(settings, metadata, result={"patch": bare.patch({"calc.py": FIXED})})
+    assert (gold.value, gold.flags) == (1.0, ()), gold.message
+    wrong = await score(settings, metadata, result={"patch": bare.patch({"README": "x\n"})})
+    assert wrong.value == pytest.approx(2 / 3)  # test_add fails: the tests did run
+    own_tests = bare.patch({"calc.py": FIXED, "tests/test_calc.py": TESTS})
+    refused = await score(settings, metadata, result={"patch": own_tests})
+    assert (refused.value, refused.flags) == (0.0, ("tests_modified",))
+    with pytest.raises(ValueError, match=r"metadata\.test_patch"):
+        await score(
+            settings,
+            bare.metadata(test_patch="diff --git a/x b/x\nbad\n"),
+            result={"patch": bare.patch({"calc.py": FIXED})},
+        )
+
+
 @pytest.mark.parametrize(
     ("changes", "touched"),
     [

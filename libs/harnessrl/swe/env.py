@@ -162,8 +162,15 @@ def run_command(command: list[str], repo: Path, timeout_s: float, what: str = ""
     """One run of a pytest `command` (as `pytest_command` makes it: `{junit_xml}` is filled
     in) in `repo`, with none of the caller's Python settings."""
     env_vars = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))},
+        **{
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("PYTHON", "VIRTUAL_ENV", "PYTEST"))
+        },
         "PYTHONDONTWRITEBYTECODE": "1",
+        # as builtin:tests runs them: no user site, no plugins loaded by entry point
+        "PYTHONNOUSERSITE": "1",
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
     }
     with tempfile.TemporaryDirectory(prefix="swe-run-") as scratch:
         junit = Path(scratch) / "junit.xml"
