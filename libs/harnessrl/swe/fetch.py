@@ -133,7 +133,8 @@ def _safe(archive: Path, name: str) -> None:
         raise FetchError(f"{archive.name}: unsafe member path {name!r}")
 
 
-def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def git(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """git in `repo` with the fixed identity and no machine or user configuration."""
     # Neither the machine's nor the user's git configuration: the same commit everywhere.
     env = {**os.environ, **GIT_IDENTITY, "GIT_CONFIG_NOSYSTEM": "1"}
     env["GIT_CONFIG_GLOBAL"] = os.devnull
@@ -149,7 +150,7 @@ def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def _commit(tree: Path, message: str) -> str:
     for args in (("init", "-q"), ("add", "-A", "-f", "."), ("commit", "-q", "-m", message)):
-        done = _git(tree, *args)
+        done = git(tree, *args)
         if done.returncode != 0:
             raise FetchError(f"git {args[0]} in {tree}: {done.stderr.strip()}")
     head = _head(tree)
@@ -158,10 +159,10 @@ def _commit(tree: Path, message: str) -> str:
 
 
 def _head(repo: Path) -> str | None:
-    done = _git(repo, "rev-parse", "--verify", "-q", "HEAD")
+    done = git(repo, "rev-parse", "--verify", "-q", "HEAD")
     return done.stdout.strip() if done.returncode == 0 else None
 
 
 def _clean(repo: Path) -> bool:
-    done = _git(repo, "status", "--porcelain", "--ignored")
+    done = git(repo, "status", "--porcelain", "--ignored")
     return done.returncode == 0 and not done.stdout.strip()

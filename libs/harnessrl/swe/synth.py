@@ -40,7 +40,6 @@ from __future__ import annotations
 import difflib
 import hashlib
 import heapq
-import os
 import queue
 import shutil
 import statistics
@@ -59,7 +58,7 @@ import orjson
 
 from harnessrl.swe import deploy
 from harnessrl.swe import env as envs
-from harnessrl.swe.fetch import GIT_IDENTITY, checkout
+from harnessrl.swe.fetch import checkout, git
 from harnessrl.swe.mutate import Mutation, mutations
 from harnessrl.swe.projects import Project
 from harnessrl.swe.statement import Failure, problem_statement
@@ -529,7 +528,7 @@ def task_repository(pristine: Path, changes: dict[str, str], repo: Path) -> str:
     `changes` (path -> new text) written over it; its commit id (the same tree gives the
     same id: fixed author and date). Only the objects of that tree are in it."""
     if repo.exists():
-        head = _git(repo, "rev-parse", "--verify", "-q", "HEAD")
+        head = git(repo, "rev-parse", "--verify", "-q", "HEAD")
         if head.returncode == 0:
             return head.stdout.strip()
         shutil.rmtree(repo)
@@ -546,7 +545,7 @@ def task_repository(pristine: Path, changes: dict[str, str], repo: Path) -> str:
             ("--git-dir", git_dir, "--work-tree", str(staging), "add", "-A", "-f", "."),
             ("--git-dir", git_dir, "--work-tree", str(staging), "commit", "-q", "-m", "import"),
         ):
-            done = _git(staging, *args)
+            done = git(staging, *args)
             if done.returncode != 0:
                 raise RuntimeError(f"git {' '.join(args[:3])}: {done.stderr.strip()}")
         (building / "index").unlink(missing_ok=True)
@@ -556,7 +555,7 @@ def task_repository(pristine: Path, changes: dict[str, str], repo: Path) -> str:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(building, ignore_errors=True)
-    head = _git(repo, "rev-parse", "HEAD")
+    head = git(repo, "rev-parse", "HEAD")
     return head.stdout.strip()
 
 
@@ -569,19 +568,6 @@ def _export(repo: Path, into: Path) -> None:
         check=True,
     )
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
-
-
-def _git(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **GIT_IDENTITY, "GIT_CONFIG_NOSYSTEM": "1"}
-    env["GIT_CONFIG_GLOBAL"] = os.devnull
-    return subprocess.run(
-        ["git", "-c", "init.defaultBranch=main", "-c", "core.autocrlf=false", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
 
 
 class _Clock:
