@@ -64,7 +64,7 @@ def _register_synth(stages: Any) -> None:
         ("max_fail_to_pass", "most tests one bug may break"),
         ("seed", "which candidates are drawn"),
         ("jobs", "candidates checked at once"),
-        ("timeout_factor", "a candidate's run is cut at this times the baseline (+10 s)"),
+        ("timeout_factor", "a candidate's run is cut at this times the baseline (+30 s)"),
     ):
         value = getattr(defaults, name)
         synth.add_argument(

@@ -32,7 +32,8 @@ Output, under `out`:
                            never in an agent's reach
 
 Candidates are checked by `jobs` workers, each in its own copy of the project; a test run
-that hangs is cut at `timeout_factor` times the baseline's duration (plus 10 s).
+that hangs is cut at `timeout_factor` times the baseline's duration (plus 30 s); a rerun
+checks the candidates that timed out again (the machine may have been busy).
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ class SynthSettings:
     """Which candidates are drawn, and in which order."""
     jobs: int = 2
     """Candidates checked at once (one test run each)."""
-    timeout_factor: float = 4.0
-    """A candidate's run is cut at this many times the baseline's (plus 10 s)."""
+    timeout_factor: float = 6.0
+    """A candidate's run is cut at this many times the baseline's (plus 30 s)."""
 
 
 @dataclass(slots=True)
@@ -293,7 +294,9 @@ def _project(
         candidates, report.mutations = _candidates(project, pristine, settings)
     report.candidates = len(candidates)
     results_path = work / name / f"results-{settings.seed}.jsonl"
-    done = _read_results(results_path)
+    # A timeout says as much about the machine (a loaded one) as about the candidate: a
+    # rerun checks it again, the other verdicts stand.
+    done = {k: r for k, r in _read_results(results_path).items() if r["status"] != "timeout"}
     kept = [r for r in done.values() if r["status"] == "kept"]
     job = _Job(
         project,
@@ -304,7 +307,7 @@ def _project(
         report,
         reliable,
         envs.pytest_command(project, env),
-        settings.timeout_factor * seconds + 10.0,
+        settings.timeout_factor * seconds + 30.0,
         kept_sets={tuple(r["FAIL_TO_PASS"]) for r in kept},
         kept=len(kept),
     )
