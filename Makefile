@@ -41,7 +41,7 @@ TEST_NEEDS := lint qwen3-tiny sandbox-tools harness-clis swe-harness
 
 test: venv
 	$(MAKE) --no-print-directory -j5 $(TEST_NEEDS)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=25
 
 # The same tests with the long versions of the heaviest suites: the fuzzers send 3x the
 # requests, the chaos run lasts five minutes (~35 minutes on 2 cores instead of ~20).
