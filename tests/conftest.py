@@ -16,6 +16,7 @@ from harnessrl.broker import EmbeddedBroker
 from harnessrl.bus import ensure_topics
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
 from tests.helpers import FAST_GROUP
+from tests.six import SixReady, prepare_six
 
 
 @pytest_asyncio.fixture
@@ -45,3 +46,9 @@ def producer_settings(tmp_path: Path) -> ProducerSettings:
 @pytest.fixture
 def consumer_settings() -> ConsumerSettings:
     return ConsumerSettings(**FAST_GROUP, retry_backoff_ms=10)
+
+
+@pytest.fixture(scope="session")
+def six_ready(tmp_path_factory: pytest.TempPathFactory) -> SixReady:
+    """The pinned six, fetched and with its environment, once per session (needs PyPI)."""
+    return prepare_six(tmp_path_factory.mktemp("six"))

@@ -4,6 +4,7 @@ a bug injected in the copy shows as failing tests with the runner's text."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -12,16 +13,20 @@ import pytest
 from harnessrl.swe.env import environment, reliable_passes, run_tests
 from harnessrl.swe.fetch import checkout
 from harnessrl.swe.mutate import mutations
-from harnessrl.swe.projects import pinned
+from tests.six import SixReady
 
 pytestmark = pytest.mark.integration
 
 
-def test_six_passes_reliably_from_its_copy_and_a_bug_shows(tmp_path: Path) -> None:
-    (six,) = pinned(["six"])
-    repo = checkout(six, tmp_path)
-    env = environment(six, tmp_path / "envs")
-    assert environment(six, tmp_path / "envs") == env  # built once
+def test_six_passes_reliably_from_its_copy_and_a_bug_shows(
+    tmp_path: Path, six_ready: SixReady
+) -> None:
+    six = six_ready.project
+    repo = tmp_path / "six"  # a copy: the session's checkout stays pristine
+    shutil.copytree(six_ready.checkout, repo, symlinks=True)
+    env = six_ready.env
+    assert environment(six, six_ready.root / "envs") == env  # built once
+    assert checkout(six, six_ready.root / "work" / "checkouts") == six_ready.checkout
     # No pristine copy in the environment: six imports only from the working copy.
     bare = subprocess.run(
         [env / "bin" / "python", "-c", "import six"], capture_output=True, check=False

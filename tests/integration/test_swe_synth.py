@@ -15,9 +15,9 @@ import pytest
 from harnessrl.services.reward.config import TestsSettings
 from harnessrl.services.reward.patch_tests import TestsReward
 from harnessrl.swe.env import project_copies
-from harnessrl.swe.projects import pinned
 from harnessrl.tasks import parse_task_file
 from tests.repo_helpers import coding_episode, git
+from tests.six import SixReady
 
 pytestmark = pytest.mark.integration
 
@@ -35,32 +35,33 @@ def _harnessrl(*args: str) -> dict[str, object]:
     return report
 
 
-async def test_synth_and_clean_make_tasks_the_reward_scores(tmp_path: Path) -> None:
-    out = tmp_path / "synth"
+async def test_synth_and_clean_make_tasks_the_reward_scores(
+    tmp_path: Path, six_ready: SixReady
+) -> None:
+    out = six_ready.root  # the session's six: fetched and its environment built once
     synth = ["swe", "synth", "--out", str(out), "--projects", "six", "--runs", "2"]
-    report = _harnessrl(*synth, "--candidates", "40", "--per-project", "3")
-    assert report["tasks"] == 3 and report["errors"] == 0
+    report = _harnessrl(*synth, "--candidates", "40", "--per-project", "2")
+    assert report["tasks"] == 2 and report["errors"] == 0
     stages = orjson.loads((out / "report.json").read_bytes())["projects"][0]
     assert set(stages["stage_seconds"]) >= {"fetch", "environment", "baseline", "check"}
     assert stages["reliable_tests"] > 100 and stages["checked"] >= 3
     assert stages["kept"] + sum(stages["dropped"].values()) == stages["checked"]
     # Resumed: nothing is checked again.
-    assert (
-        _harnessrl(*synth, "--candidates", "40", "--per-project", "3")["checked"]
-        == (report["checked"])
-    )
+    again = _harnessrl(*synth, "--candidates", "40", "--per-project", "2")
+    assert again["checked"] == report["checked"] and again["tasks"] == 2
 
     clean = _harnessrl(
         *("swe", "clean", str(out / "tasks.jsonl"), "--out", str(tmp_path / "clean.jsonl")),
-        *("--validate", "--tasks-out", str(tmp_path / "tasks.jsonl"), "--group-size", "2"),
+        *("--validate", "--validate-runs", "1", "--tasks-out", str(tmp_path / "tasks.jsonl")),
+        *("--group-size", "2"),  # (two rounds of validation: tests/unit/test_swe_synth.py)
     )
-    assert clean["kept"] == 3 and clean["validated"] is True, clean
+    assert clean["kept"] == 2 and clean["validated"] is True, clean
     tasks = parse_task_file(tmp_path / "tasks.jsonl")
     train = parse_task_file(tmp_path / "tasks.train.jsonl")  # one project: all in train
     assert [t.task_id for t in train] == [t.task_id for t in tasks]
     assert (tmp_path / "tasks.val.jsonl").read_bytes() == b""
-    (six,) = pinned(["six"])
-    assert len(tasks) == 3 and all(t.group_size == 2 for t in tasks)
+    six = six_ready.project
+    assert len(tasks) == 2 and all(t.group_size == 2 for t in tasks)
     reward = TestsReward(TestsSettings())
     records = [orjson.loads(x) for x in (tmp_path / "clean.jsonl").read_bytes().splitlines()]
     for task, record in zip(tasks, records, strict=True):

@@ -26,11 +26,9 @@ import pytest
 
 from harnessrl.services.reward import config, patch_tests
 from harnessrl.services.reward.episode import Score
-from harnessrl.swe.env import environment
-from harnessrl.swe.fetch import checkout
 from harnessrl.swe.mutate import mutations
-from harnessrl.swe.projects import pinned
 from tests.repo_helpers import coding_episode, git, write_files
+from tests.six import SixReady
 
 pytestmark = pytest.mark.integration
 
@@ -86,11 +84,9 @@ class SixTask:
 
 
 @pytest.fixture(scope="session")
-def six_task(tmp_path_factory: pytest.TempPathFactory) -> SixTask:
-    (six,) = pinned(["six"])
+def six_task(tmp_path_factory: pytest.TempPathFactory, six_ready: SixReady) -> SixTask:
     root = tmp_path_factory.mktemp("six-task")
-    upstream = checkout(six, root / "upstream")
-    env = environment(six, root / "envs")
+    upstream, env = six_ready.checkout, six_ready.env
     original = (upstream / "six.py").read_text()
     lines = original.splitlines()
     bug = next(

@@ -1,0 +1,28 @@
+"""The pinned six, fetched and with its environment, shared by the integration tests of
+harnessrl.swe and builtin:tests (the `six_ready` session fixture): built once, at the paths
+`harnessrl swe synth --out root` uses, so a synth run there reuses them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from harnessrl.swe.env import environment
+from harnessrl.swe.fetch import checkout
+from harnessrl.swe.projects import Project, pinned
+
+
+@dataclass(frozen=True)
+class SixReady:
+    project: Project
+    checkout: Path
+    """The pristine checkout (a git repository of one commit): copy it before changing it."""
+    env: Path
+    root: Path
+    """`--out` for a synth run that reuses both."""
+
+
+def prepare_six(root: Path) -> SixReady:
+    (six,) = pinned(["six"])
+    repo = checkout(six, root / "work" / "checkouts", root / "work" / "sdists")
+    return SixReady(six, repo, environment(six, root / "envs"), root)
