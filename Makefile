@@ -88,9 +88,10 @@ $(HARNESS_CLIS): tests/harnesses/package.json tests/harnesses/package-lock.json
 	touch $(HARNESS_CLIS)
 
 # Coding agents (examples/swe). swe-tasks: the whole task pipeline over every pinned project
-# (~50 minutes on 2 cores; resumable: a rerun goes on where it stopped). swe-smoke: the whole
+# (measured on 2 cores without attrs: ~1 hour of synth, 20 minutes of validation; attrs adds
+# ~30 s per candidate; resumable: a rerun goes on where it stopped). swe-smoke: the whole
 # loop on CPU, mini-swe-agent through the stack on a synthesized six task with the planted
-# smoke policy (examples/swe-coder), 4 training steps (~10 minutes).
+# smoke policy (examples/swe-coder), 4 training steps (~15 minutes with its synth).
 SWE_OUT ?= runs/swe
 swe-harness: venv
 	$(BIN)/python examples/swe/install.py
