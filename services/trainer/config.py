@@ -31,6 +31,47 @@ class LossSection(Section):
     """Weight of the KL penalty to the frozen reference model (0: no reference is loaded)."""
 
 
+class LoraSection(Section):
+    """Low-rank adapters (PEFT LoRA) on a frozen base: only the adapters train, and only
+    they are published (the policy version is the adapter)."""
+
+    rank: int = Field(default=16, ge=1)
+    """Rank r of each adapter pair (A: r x in, B: out x r)."""
+    alpha: float = Field(default=32.0, gt=0)
+    """Scaling numerator: the adapter's update is scaled by alpha / rank."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapter's input (0 keeps the first pass's log-probs exact)."""
+    target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    """Names (last component) of the linear layers that get an adapter."""
+    base_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Storage of the frozen base weights; auto: bfloat16 on CUDA, float32 on CPU."""
+
+
+class ShardingSection(Section):
+    """How the trainer's `torchrun` ranks share the model (one process: no sharding)."""
+
+    strategy: Literal["fsdp", "replicate"] = "fsdp"
+    """fsdp: FSDP2 (`fully_shard`, one unit per transformer block): parameters, gradients
+    and optimizer state are split across ranks; replicate: every rank holds everything and
+    gradients are summed (plain data parallelism)."""
+    reshard_after_forward: bool = True
+    """fsdp: free each block's gathered parameters after its forward (less memory, one more
+    all-gather in the backward pass)."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """fsdp: dtype gradients are reduce-scattered in."""
+    publish_bucket_mb: int = Field(default=512, ge=1)
+    """Most bytes of full tensors gathered at once when a version is published or a model
+    directory exported (never the whole model on one rank's accelerator)."""
+
+
 class TrainerSection(ServiceSection):
     """The trainer: model, batches, optimiser, checkpoints, publication."""
 
@@ -67,6 +108,13 @@ class TrainerSection(ServiceSection):
     """Global gradient-norm clip."""
     loss: LossSection = LossSection()
     """The loss."""
+    lora: LoraSection | None = None
+    """Train low-rank adapters instead of every weight (None: full weights)."""
+    sharding: ShardingSection = ShardingSection()
+    """How several `torchrun` ranks share the model."""
+    gpu_memory_gib: float | None = Field(default=None, gt=0)
+    """Accelerator memory per rank the start-up size check uses (default: what the device
+    reports; on CPU the check is skipped)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
