@@ -2,8 +2,9 @@
 
 GroupSamples arrive one record per group. A sample already trained on (a re-delivery after
 a restart) is skipped; a sample whose oldest call is more than `max_staleness` versions
-behind the current policy is dropped (counted). A batch is due once `batch_groups` groups
-(or `batch_tokens` tokens) are pending; it is taken whole, in arrival order.
+behind the current policy, or older than the ledger's horizon (ledger.py), is dropped
+(counted). A batch is due once `batch_groups` groups (or `batch_tokens` tokens) are
+pending; it is taken whole, in arrival order.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ class Batch:
     groups: list[pb.GroupSamples] = field(default_factory=list)
     """The groups as received (their span ids link the step's span to them)."""
     tokens: int = 0
+    stale: list[str] = field(default_factory=list)
+    """Ids of the samples of `groups` dropped as stale when the batch was taken."""
 
 
 class Batcher:
@@ -37,25 +40,30 @@ class Batcher:
         """Their loss-mask tokens (the trainer's part of the token books): a sample trained
         already was counted when it was trained, so only "stale" ones are."""
 
-    def add(self, group: pb.GroupSamples, *, version: int, trained: Set[str]) -> bool:
-        """Take a group's samples (idempotent per sample id) at current policy `version`;
-        True when any was taken."""
+    def add(
+        self, group: pb.GroupSamples, *, version: int, trained: Set[str], horizon: int = 0
+    ) -> list[str]:
+        """Take a group's samples (idempotent per sample id) at current policy `version`,
+        skipping those in `trained` or pending; a sample with a policy_version_min below
+        `horizon` is stale however large max_staleness is. Returns the ids taken."""
         entry = Batch(groups=[group])
         pending = self.pending_ids()
         for sample in group.samples:
             if sample.sample_id in trained or sample.sample_id in pending:
                 self.dropped["trained"] += 1
                 continue
-            if version - sample.policy_version_min > self._max_staleness:
+            behind = version - sample.policy_version_min
+            if behind > self._max_staleness or sample.policy_version_min < horizon:
                 self.dropped["stale"] += 1
                 self.dropped_tokens["stale"] += sum(1 for m in sample.loss_mask if m)
                 continue
             arrays = SampleArrays.from_proto(sample)
             entry.samples.append(arrays)
             entry.tokens += len(arrays.token_ids)
+            pending.add(arrays.sample_id)  # a group that repeats an id trains it once
         if entry.samples:
             self._pending.append(entry)
-        return bool(entry.samples)
+        return [s.sample_id for s in entry.samples]
 
     def pending_ids(self) -> set[str]:
         return {s.sample_id for entry in self._pending for s in entry.samples}
@@ -88,6 +96,7 @@ class Batcher:
             self.dropped["stale"] += len(stale)
             self.dropped_tokens["stale"] += sum(int(s.loss_mask.sum()) for s in stale)
             batch.samples.extend(fresh)
+            batch.stale.extend(s.sample_id for s in stale)
             batch.groups.extend(entry.groups)
             batch.tokens += sum(len(s.token_ids) for s in fresh)
         return batch
