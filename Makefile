@@ -65,13 +65,15 @@ $(QWEN3_TINY): examples/qwen3-tiny/package-lock.json examples/qwen3-tiny/build.p
 
 # The calculator demo: measure the pretrained tiny model on val tasks through the harness,
 # train it DEMO_STEPS steps with RL through that harness, measure again, write
-# runs/<run-id>/report.html. The last line printed is the JSON summary.
+# runs/<run-id>/report.html. The last line printed is the JSON summary. DEMO_CONFIG picks the
+# stack: examples/calculator/demo-lora.yaml trains LoRA adapters instead of every weight.
 DEMO_STEPS ?= 24
+DEMO_CONFIG ?= examples/calculator/demo.yaml
 demo: venv
 	mkdir -p runs
 	$(BIN)/python examples/calculator/tasks.py --split train --n 3000 --seed 1 > runs/calculator-train.jsonl
 	$(BIN)/python examples/calculator/tasks.py --split val --n 100 > runs/calculator-val.jsonl
-	$(BIN)/harnessrl experiment --config examples/calculator/demo.yaml \
+	$(BIN)/harnessrl experiment --config $(DEMO_CONFIG) \
 		--train runs/calculator-train.jsonl --val runs/calculator-val.jsonl --steps $(DEMO_STEPS)
 
 # The real coding-agent CLIs (Codex, Claude Code) that tests/integration/test_harness_clis.py

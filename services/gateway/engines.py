@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -52,9 +52,12 @@ class EnginePool:
         ]
         return sorted(range(len(self.urls)), key=lambda i: scores[i], reverse=True)
 
-    async def request(self, episode_id: str, path: str, body: bytes) -> tuple[str, ClientResponse]:
-        """(engine URL, response) of a POST; transient failures are retried. A response with
-        a non-retryable status is returned as it is. Raises UpstreamError."""
+    async def request(
+        self, episode_id: str, path: str, body: bytes | Callable[[str], bytes]
+    ) -> tuple[str, ClientResponse]:
+        """(engine URL, response) of a POST of `body` (or of `body(engine URL)`, a body per
+        engine); transient failures are retried. A response with a non-retryable status is
+        returned as it is. Raises UpstreamError."""
         last: str = "no engine answered"
         delays = self._backoff.delays()
         ranking = self.ranking(episode_id)
@@ -62,7 +65,7 @@ class EnginePool:
             index = ranking[attempt % len(ranking)]
             try:
                 response = await self._clients[index].request(
-                    "POST", path, headers=_JSON, body=body
+                    "POST", path, headers=_JSON, body=_for(body, self.urls[index])
                 )
             except Exception as err:
                 if not is_retryable(err):
@@ -78,7 +81,7 @@ class EnginePool:
 
     @asynccontextmanager
     async def stream(
-        self, episode_id: str, path: str, body: bytes
+        self, episode_id: str, path: str, body: bytes | Callable[[str], bytes]
     ) -> AsyncIterator[tuple[str, Any]]:
         """(engine URL, streaming response) of a POST; retried like request() until an
         engine answers, never after (bytes may have reached the harness by then)."""
@@ -87,7 +90,8 @@ class EnginePool:
         ranking = self.ranking(episode_id)
         for attempt in range(self._attempts):
             index = ranking[attempt % len(ranking)]
-            context = self._clients[index].stream("POST", path, headers=_JSON, body=body)
+            payload = _for(body, self.urls[index])
+            context = self._clients[index].stream("POST", path, headers=_JSON, body=payload)
             try:
                 response = await context.__aenter__()
             except Exception as err:
@@ -116,3 +120,7 @@ class EnginePool:
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._clients), return_exceptions=True)
+
+
+def _for(body: bytes | Callable[[str], bytes], url: str) -> bytes:
+    return body(url) if callable(body) else body

@@ -226,9 +226,24 @@ class _Run:
             prompt_field=call.prompt_field,
         )
 
+    def _per_engine(self, body: bytes) -> Callable[[str], bytes]:
+        """Take the engines' versions as of now; the body for each engine names the model
+        its version is served under, when it reported one (a LoRA adapter in vLLM)."""
+        versions = self._life.engines.versions
+        self._versions, models = versions.snapshot(), versions.models()
+
+        def body_for(engine: str) -> bytes:
+            model = models.get(engine)
+            if not model:
+                return body
+            renamed = orjson.loads(body)
+            renamed["model"] = model
+            return orjson.dumps(renamed)
+
+        return body_for
+
     async def complete(self) -> Response:
-        body = await self._encoded()
-        self._versions = self._life.engines.versions.snapshot()
+        body = self._per_engine(await self._encoded())
         engine, response = await self._life.engines.pool.request(
             self._claims.episode_id, self._call.path, body
         )
@@ -244,8 +259,7 @@ class _Run:
     async def stream(self) -> Response | StreamingResponse:
         """Open the engine's stream; its answer is streamed by `_relay`, which ends the call
         (an engine error before the stream is answered whole, in the dialect's shape)."""
-        body = await self._encoded()
-        self._versions = self._life.engines.versions.snapshot()
+        body = self._per_engine(await self._encoded())
         stack = AsyncExitStack()
         try:
             engine, response = await stack.enter_async_context(

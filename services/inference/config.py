@@ -71,6 +71,24 @@ class VllmSyncSection(ServiceSection):
     check_interval_s: float = Field(default=30.0, gt=0)
     """How often vLLM's served version is checked; a vLLM that restarted on its initial
     weights gets the newest policy version again."""
+    lora_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
+    """Set when the trainer trains LoRA adapters (trainer.lora): each version is loaded into
+    vLLM as the adapter `<lora_name>-v<version>` through vLLM's runtime LoRA API (vLLM run
+    with --enable-lora, --max-lora-rank at least trainer.lora.rank, --max-loras at least
+    keep_adapters, and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; neither dev mode nor the
+    worker extension is needed), and the gateway asks for that name. Unset: full weights,
+    through the worker extension."""
+    adapter_dir: Path = Path(".harnessrl/vllm-adapters")
+    """lora_name set: where each version's PEFT adapter directory is written
+    (`<adapter_dir>/<lora_name>-v<version>`). vLLM reads it at the same path, so it must be
+    on a filesystem both see (the same host, or a shared volume)."""
+    keep_adapters: int = Field(default=2, ge=1)
+    """lora_name set: adapters left loaded in vLLM, the newest; older ones are unloaded and
+    their directories removed. Two let a call the gateway sent for the previous version,
+    before it heard of the new one, still find its adapter."""
+    base_model: Path | None = None
+    """lora_name set: the model directory vLLM serves (its --model), when vllm-sync can read
+    it: an adapter trained on another base is refused (compared by checksum)."""
 
     @field_validator("vllm_url", "engine_name")
     @classmethod

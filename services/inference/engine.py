@@ -13,7 +13,8 @@ takes the engine down with it, nor leaves the requests in it waiting forever.
 Weights are swapped only between steps and only once no request is running: `swap()` stops
 admission, lets in-flight requests finish, loads the new state dict, then admits again. So no
 request ever sees a half-updated model, and each request is served by exactly one policy
-version, the one it reports.
+version, the one it reports. A version that is a LoRA adapter is applied on the untouched
+base weights (adapter.py); a later full version replaces the base and drops the adapter.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from harnessrl.logs import get_logger
+from harnessrl.services.inference.adapter import LoraOverlay
 from harnessrl.services.inference.kv import RunningBatch, cache_argument, positions_from_mask
 from harnessrl.services.inference.sampling import SamplingParams, generator_for, sample
+from harnessrl.v1 import weights_pb2 as pb
 
 log = get_logger(__name__)
 
@@ -143,6 +146,8 @@ class Engine:
         self._swapping = 0
         self._busy = False  # a step is running in the worker thread
         self._cache_arg = cache_argument(model)
+        self._overlay: LoraOverlay | None = None
+        """The adapter served on the base weights, when the version is one."""
         self._ids = itertools.count()
         self._stopped = False
         self.last_step_at = time.monotonic()
@@ -181,11 +186,18 @@ class Engine:
 
     # -- weights -----------------------------------------------------------------------------
 
-    async def swap(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+    async def swap(
+        self,
+        version: int,
+        state_dict: dict[str, torch.Tensor],
+        adapter: pb.LoraAdapter | None = None,
+    ) -> None:
         """Serve `state_dict` as `version` from the next admitted request on.
 
-        Waits for running requests to finish (new ones wait meanwhile). Raises whatever
-        load_state_dict raises (missing or mis-shaped tensors); the old weights then stay.
+        `adapter` set: `state_dict` holds a LoRA adapter's pairs (published names), applied
+        on the base weights in place of the previous adapter. Waits for running requests to
+        finish (new ones wait meanwhile). Raises ValueError (missing, unknown or mis-shaped
+        tensors) before anything changes: the old weights then stay.
         """
         self._swapping += 1
         try:
@@ -193,14 +205,21 @@ class Engine:
                 self._idle.clear()
                 self._wake.set()
                 await self._idle.wait()
-            await asyncio.to_thread(self._load, state_dict)
+            await asyncio.to_thread(self._load, state_dict, adapter)
             self.version = version
             self._metrics.version.set(version)
         finally:
             self._swapping -= 1
             self._wake.set()
 
-    def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def _load(self, state_dict: dict[str, torch.Tensor], adapter: pb.LoraAdapter | None) -> None:
+        if adapter is not None:
+            overlay = LoraOverlay.build(self.model, adapter, state_dict)  # checks everything
+            if self._overlay is not None:
+                self._overlay.detach()
+            overlay.attach(self.model)
+            self._overlay = overlay
+            return
         with torch.no_grad():
             current = self.model.state_dict()
             unknown = sorted(set(state_dict) - set(current))
@@ -218,6 +237,9 @@ class Engine:
                     )
             for name, tensor in state_dict.items():
                 current[name].copy_(tensor)
+        if self._overlay is not None:  # full weights: no adapter on top of them
+            self._overlay.detach()
+            self._overlay = None
 
     # -- the loop ----------------------------------------------------------------------------
 

@@ -1,12 +1,13 @@
 """Following the trainer: each PolicyVersion on hrl.policy becomes the weights served.
 
 For every announced version newer than the one served, the follower has its loader pull it
-over WeightSync and swap it in, and publishes PolicyLoaded. Two loaders exist: the
-project's engine (`EngineLoader`: pull, shared memory when the trainer offers it on this
-host, then swap between requests) and a `vllm serve` (services/inference/vllm_server.py,
-driven by `harnessrl vllm-sync`). A pull that fails verification (a corrupt chunk, a
-checksum mismatch) or a state dict that does not fit the model is refused: the engine keeps
-serving its current version, the failure is logged, counted, and reported as
+over WeightSync and swap it in, and publishes PolicyLoaded. The loaders: the project's
+engine (`EngineLoader`: pull, shared memory when the trainer offers it on this host, then
+swap between requests; a LoRA version is applied on the base), and a `vllm serve` driven by
+`harnessrl vllm-sync`, with full weights (services/inference/vllm_server.py) or LoRA
+adapters (services/inference/vllm_lora.py). A pull that fails verification (a corrupt
+chunk, a checksum mismatch) or a state dict that does not fit the model is refused: the
+engine keeps serving its current version, the failure is logged, counted, and reported as
 PolicyLoaded(ok=false). A version the trainer no longer holds (a newer one superseded it
 while this replica was away) is skipped quietly: the newer announcement follows. Transient
 failures (the trainer or the engine unreachable) propagate, so the consumer retries.
@@ -14,8 +15,10 @@ failures (the trainer or the engine unreachable) propagate, so the consumer retr
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
@@ -24,21 +27,42 @@ from harnessrl.bus import Context, Record
 from harnessrl.logs import get_logger
 from harnessrl.retry import is_retryable
 from harnessrl.v1 import events_pb2 as pb
+from harnessrl.weights.errors import WeightSyncError
 
 if TYPE_CHECKING:  # torch only where the project's engine runs
-    import torch
-
     from harnessrl.services.inference.engine import Engine
+    from harnessrl.v1 import weights_pb2 as weights_pb
+    from harnessrl.weights import FetchResult
 
 log = get_logger(__name__)
 
-Pull = Callable[[str, int], Awaitable["dict[str, torch.Tensor]"]]
-"""(WeightSync address, version) -> state dict. Raises VersionGone when the trainer no
-longer holds the version, another exception when the transfer or its verification fails."""
+Pull = Callable[[str, int], Awaitable["FetchResult"]]
+"""(WeightSync address, version) -> the verified version (manifest and tensors). Raises
+VersionGone when the trainer no longer holds the version, another exception when the
+transfer or its verification fails."""
 
 
 class VersionGone(Exception):
     """The trainer no longer serves the requested version."""
+
+
+def weightsync_puller(use_shm: bool) -> Pull:
+    """A Pull over WeightSync: a client per call, NOT_FOUND raised as VersionGone."""
+
+    async def pull(address: str, version: int) -> FetchResult:
+        import grpc
+
+        from harnessrl.weights import WeightSyncClient
+
+        async with WeightSyncClient(address) as client:
+            try:
+                return await client.fetch(version, use_shm=use_shm)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    raise VersionGone(err.details() or "not found") from err
+                raise
+
+    return pull
 
 
 class WeightLoader(Protocol):
@@ -47,6 +71,11 @@ class WeightLoader(Protocol):
     @property
     def version(self) -> int:
         """The policy version the engine serves now (as far as the loader knows)."""
+
+    @property
+    def served_model(self) -> str:
+        """The model name requests must carry to be served `version` ("": the engine's
+        own name, whatever it serves)."""
 
     async def load(self, address: str, version: int) -> None:
         """Serve `version`, pulled from the WeightSync server at `address`, from now on.
@@ -59,19 +88,58 @@ class WeightLoader(Protocol):
 
 
 class EngineLoader:
-    """The project's own engine: pull the state dict, then swap it in between requests."""
+    """The project's own engine: pull the version, then swap it in between requests.
 
-    def __init__(self, engine: Engine, pull: Pull) -> None:
+    A version that is a LoRA adapter is refused (WeightSyncError) when it was trained on
+    another base than `base_model`, the directory the engine started from (compared by
+    checksum, computed once), or when the engine no longer serves that base because a full
+    version replaced it.
+    """
+
+    def __init__(self, engine: Engine, pull: Pull, base_model: Path | None = None) -> None:
         self._engine = engine
         self._pull = pull
+        self._base_model = base_model
+        self._base_checksums: dict[str, str] = {}
+        self._base_replaced = False
 
     @property
     def version(self) -> int:
         return self._engine.version
 
+    @property
+    def served_model(self) -> str:
+        return ""  # the engine names the version in each answer's x-policy-version
+
     async def load(self, address: str, version: int) -> None:
-        state = await self._pull(address, version)
-        await self._engine.swap(version, state)
+        result = await self._pull(address, version)
+        manifest = result.manifest
+        if not manifest.HasField("adapter"):
+            await self._engine.swap(version, result.state_dict)
+            self._base_replaced = True
+            return
+        await self._check_base(manifest)
+        await self._engine.swap(version, result.state_dict, manifest.adapter)
+
+    async def _check_base(self, manifest: weights_pb.WeightManifest) -> None:
+        from harnessrl.weights.adapter import base_checksum, check_base
+        from harnessrl.weights.checksums import algorithm_of
+
+        what = f"version {manifest.version}"
+        if self._base_replaced:
+            raise WeightSyncError(
+                f"{what}: a LoRA adapter, but this engine serves the full weights of an "
+                "earlier version, not the base model it applies to"
+            )
+        expected = manifest.adapter.base_checksum
+        if not expected or self._base_model is None:
+            return  # nothing to compare against
+        algorithm = algorithm_of(expected, f"{what} base_checksum")
+        if algorithm not in self._base_checksums:
+            self._base_checksums[algorithm] = await asyncio.to_thread(
+                base_checksum, self._base_model, algorithm
+            )
+        check_base(manifest.adapter, self._base_checksums[algorithm], what)
 
 
 class PolicyFollower:
@@ -137,4 +205,10 @@ class PolicyFollower:
         load_ms = (time.monotonic() - started) * 1000
         self._loads.labels("ok").inc()
         log.info("policy version loaded", version=event.version, load_ms=round(load_ms, 1))
-        return pb.PolicyLoaded(version=event.version, engine=self._name, ok=True, load_ms=load_ms)
+        return pb.PolicyLoaded(
+            version=event.version,
+            engine=self._name,
+            ok=True,
+            load_ms=load_ms,
+            served_model=self._loader.served_model,
+        )

@@ -18,7 +18,7 @@ from harnessrl.services.inference.api import create_app
 from harnessrl.services.inference.codec import TextCodec
 from harnessrl.services.inference.config import InferenceConfig, InferenceSection
 from harnessrl.services.inference.engine import Engine
-from harnessrl.services.inference.follower import EngineLoader, PolicyFollower, VersionGone
+from harnessrl.services.inference.follower import EngineLoader, PolicyFollower, weightsync_puller
 from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)
@@ -50,26 +50,6 @@ def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
         elif value:
             ids.update(value)
     return frozenset(ids)
-
-
-def weightsync_puller(use_shm: bool) -> Any:
-    """The follower's pull function: WeightSync client per call, NOT_FOUND as VersionGone."""
-
-    async def pull(address: str, version: int) -> Any:
-        import grpc
-
-        from harnessrl.weights import WeightSyncClient
-
-        async with WeightSyncClient(address) as client:
-            try:
-                result = await client.fetch(version, use_shm=use_shm)
-            except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.NOT_FOUND:
-                    raise VersionGone(err.details() or "not found") from err
-                raise
-        return result.state_dict
-
-    return pull
 
 
 def context_length(model: Any, tokenizer: Any, section: InferenceSection) -> int:
@@ -199,7 +179,9 @@ class InferenceService:
         self._producer = producer
         name = section.advertise_url or f"http://{section.host}:{self.port}"
         follower = PolicyFollower(
-            EngineLoader(engine, weightsync_puller(section.use_shared_memory)),
+            EngineLoader(
+                engine, weightsync_puller(section.use_shared_memory), base_model=section.model
+            ),
             engine_name=name,
             registry=self._runtime.registry,
         )

@@ -45,6 +45,10 @@ class VllmServer:
         """The version vLLM serves as of the last check or load."""
         return self._version
 
+    @property
+    def served_model(self) -> str:
+        return ""  # full weights: vLLM serves every version under its own model name
+
     async def check(self) -> int:
         """Ask vLLM which version its workers serve (the oldest, should they differ).
 

@@ -9,15 +9,22 @@ PolicyLoaded(version, engine, ok, error, load_ms) exactly as the engine's follow
 is the URL the gateway has for this vLLM: vLLM sends no x-policy-version header, so the
 gateway stamps its calls with the version of this engine's last PolicyLoaded(ok=true).
 
-It also asks vLLM which version it serves (collective_rpc harnessrl_version) at start and
-every `check_interval_s`: a vLLM that restarted on its initial weights, or that was down
-when a version was announced, gets the newest announced version (or, if vLLM refused that
-one, the newest it had loaded). While vLLM cannot be reached it retries with backoff, and
-/healthz reports `vllm_reachable: false`. The newest announcements are read back from
-hrl.policy at start, so a restarted vllm-sync knows them too.
+With `vllm_sync.lora_name` set (the trainer trains LoRA adapters) the loader is
+services/inference/vllm_lora.py instead: each version becomes an adapter loaded through
+vLLM's runtime LoRA API under a versioned name, which its PolicyLoaded carries
+(`served_model`) so the gateway asks vLLM for exactly that version; no pause is needed.
+
+It also asks vLLM which version it serves (collective_rpc harnessrl_version; with adapters,
+the newest one /v1/models lists) at start and every `check_interval_s`: a vLLM that
+restarted on its initial weights, or that was down when a version was announced, gets the
+newest announced version (or, if vLLM refused that one, the newest it had loaded). While
+vLLM cannot be reached it retries with backoff, and /healthz reports `vllm_reachable:
+false`. The newest announcements are read back from hrl.policy at start, so a restarted
+vllm-sync knows them too.
 
 Tested against a stand-in vLLM HTTP server (tests/vllm_standin.py: /pause, /resume,
-/collective_rpc running the real worker extension on stand-in workers) with a real
+/collective_rpc running the real worker extension on stand-in workers; /v1/models and the
+runtime LoRA endpoints reading the adapter directories written) with a real
 WeightSync server and the embedded broker, because vLLM cannot run on the machines this
 project is built on: nothing here has driven a real vLLM.
 """
@@ -35,7 +42,8 @@ from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, is_retryable, retry
 from harnessrl.runtime import Runtime
 from harnessrl.services.inference.config import VllmSyncConfig
-from harnessrl.services.inference.follower import PolicyFollower
+from harnessrl.services.inference.follower import PolicyFollower, weightsync_puller
+from harnessrl.services.inference.vllm_lora import VllmLoraServer
 from harnessrl.services.inference.vllm_server import VllmServer
 from harnessrl.v1 import events_pb2 as pb
 
@@ -91,12 +99,25 @@ class VllmSyncService:
         self._config = config
         self._runtime = runtime
         self.engine_name = section.engine_name or section.vllm_url
-        self.vllm = VllmServer(
-            section.vllm_url,
-            initial_version=section.initial_version,
-            pause_mode=section.pause_mode,
-            rpc_timeout_s=section.rpc_timeout_s,
-        )
+        self.vllm: VllmServer | VllmLoraServer
+        if section.lora_name is None:
+            self.vllm = VllmServer(
+                section.vllm_url,
+                initial_version=section.initial_version,
+                pause_mode=section.pause_mode,
+                rpc_timeout_s=section.rpc_timeout_s,
+            )
+        else:
+            self.vllm = VllmLoraServer(
+                section.vllm_url,
+                lora_name=section.lora_name,
+                adapter_dir=section.adapter_dir,
+                pull=weightsync_puller(use_shm=True),
+                initial_version=section.initial_version,
+                keep_adapters=section.keep_adapters,
+                base_model=section.base_model,
+                timeout_s=section.rpc_timeout_s,
+            )
         self.book = PolicyBook()
         self.follower = PolicyFollower(
             self.vllm, engine_name=self.engine_name, registry=runtime.registry

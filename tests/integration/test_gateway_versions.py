@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import orjson
 import pytest
 import pytest_asyncio
 
@@ -31,13 +32,17 @@ REQUEST = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"}], "
 
 class HeaderlessProxy:
     """Forwards to `upstream` (the engine), dropping x-policy-version from every answer
-    unless `strip` is off; `hold` (when set) keeps each answer until it is released."""
+    unless `strip` is off; `hold` (when set) keeps each answer until it is released.
+    `asked` records the model each completion request names; with `serve_as` set it is
+    forwarded under that name instead (as vLLM serves an adapter on the engine's base)."""
 
     def __init__(self) -> None:
         self.upstream = ""
         self.strip = True
         self.hold: asyncio.Event | None = None
         self.holding = asyncio.Event()
+        self.asked: list[str] = []
+        self.serve_as: str | None = None
         self._server = HttpServer(self._forward, host="127.0.0.1", port=0)
 
     @property
@@ -51,11 +56,17 @@ class HeaderlessProxy:
         await self._server.stop(grace_s=1.0)
 
     async def _forward(self, request: Request) -> Response:
+        body = request.body
+        if request.path.endswith("completions"):
+            data = orjson.loads(body)
+            self.asked.append(data["model"])
+            if self.serve_as is not None:
+                body = orjson.dumps({**data, "model": self.serve_as})
         async with httpx.AsyncClient(timeout=60) as http:
             answer = await http.request(
                 request.method,
                 f"{self.upstream}{request.path}",
-                content=request.body,
+                content=body,
                 headers={"content-type": request.headers.get("content-type", "")},
             )
         if self.hold is not None:
@@ -145,3 +156,39 @@ async def test_calls_to_an_engine_without_the_header_carry_its_loaded_version(
         assert [c.policy_version for c in calls] == [3, 4, 4, 6, 0]
         assert [c.stream for c in calls] == [False, True, False, False, False]
         assert {c.engine for c in calls} == {proxy.url}
+
+
+async def test_an_engine_serving_versions_as_adapters_is_asked_for_the_loaded_ones_name(
+    broker: EmbeddedBroker, proxy: HeaderlessProxy, tmp_path: Path
+) -> None:
+    """vLLM with LoRA versions: vllm-sync's PolicyLoaded names the adapter it loaded, and
+    each call asks for that adapter, so the version stamped on it is the one that served."""
+    proxy.serve_as = "tiny-model"
+    await _publish(
+        broker,
+        tmp_path,
+        pb.PolicyLoaded(version=3, engine=proxy.url, ok=True, served_model="policy-v3"),
+        pb.PolicyLoaded(version=4, engine=proxy.url, ok=False, error="refused"),
+    )
+    async with running_stack(
+        broker, tmp_path, TINY, engines=[proxy.url], engine_model="tiny-model"
+    ) as stack:
+        proxy.upstream = stack.engine_url
+        await eventually(lambda: _knows(stack, {proxy.url: 3}))
+        client = openai.AsyncOpenAI(
+            base_url=stack.openai_base(stack.token("ep-lora")), api_key="k", max_retries=0
+        )
+        await client.chat.completions.create(**REQUEST)
+        async for _ in await client.chat.completions.create(stream=True, **REQUEST):
+            pass
+        await _publish(
+            broker,
+            tmp_path,
+            pb.PolicyLoaded(version=5, engine=proxy.url, ok=True, served_model="policy-v5"),
+        )
+        await eventually(lambda: _knows(stack, {proxy.url: 5}))
+        await client.chat.completions.create(**REQUEST)
+        calls = sorted(await stack.calls(at_least=3), key=lambda c: c.seq)
+        assert proxy.asked == ["policy-v3", "policy-v3", "policy-v5"]
+        assert [c.policy_version for c in calls] == [3, 3, 5]
+        assert {c.model for c in calls} == {"gpt-4o"}  # the harness's own name, untouched

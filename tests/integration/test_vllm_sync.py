@@ -1,6 +1,8 @@
 """`harnessrl vllm-sync` on the real broker with a real WeightSync server, driving a stand-in
 for `vllm serve` (tests/vllm_standin.py), because vLLM cannot run here: the stand-in runs
-the real worker extension on stand-in workers behind vLLM's dev-mode HTTP endpoints."""
+the real worker extension on stand-in workers behind vLLM's dev-mode HTTP endpoints, and
+for LoRA versions answers vLLM's runtime LoRA endpoints, reading each adapter directory
+from disk as vLLM's loader would (it applies no adapter: nothing generates here)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import pytest_asyncio
+import torch
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
@@ -24,11 +28,12 @@ from harnessrl.services.inference.config import VllmSyncConfig, VllmSyncSection
 from harnessrl.services.inference.vllm_server import VllmUnusable
 from harnessrl.services.inference.vllm_sync import VllmSyncService
 from harnessrl.v1 import events_pb2 as pb
+from harnessrl.v1 import weights_pb2 as pb_weights
 from harnessrl.v1 import weights_pb2_grpc as pb_grpc
 from harnessrl.weights import WeightSyncServer
 from harnessrl.weights.settings import WeightSyncSettings
 from tests.helpers import FAST_GROUP, eventually, read_topic, topic_size
-from tests.vllm_standin import StandInVllmServer
+from tests.vllm_standin import StandInLoraVllm, StandInVllmServer
 from tests.weight_helpers import FaultInjector, same_bits, state_dict
 
 pytestmark = pytest.mark.integration
@@ -56,15 +61,21 @@ async def vllm() -> AsyncIterator[StandInVllmServer]:
 
 @asynccontextmanager
 async def running_sync(
-    broker: EmbeddedBroker, tmp_path: Path, url: str, *, instance: str = "vllm-sync-0"
+    broker: EmbeddedBroker,
+    tmp_path: Path,
+    url: str,
+    *,
+    instance: str = "vllm-sync-0",
+    **section: Any,
 ) -> AsyncIterator[tuple[VllmSyncService, CollectorRegistry]]:
-    """A VllmSyncService for the vLLM at `url`, checking it every 0.3 s."""
+    """A VllmSyncService for the vLLM at `url`, checking it every 0.3 s (`section`: more
+    vllm_sync settings)."""
     config = VllmSyncConfig(
         instance=instance,
         kafka=KafkaSettings(bootstrap_servers=broker.bootstrap, partitions=3),
         consumer=ConsumerSettings(**FAST_GROUP, retry_backoff_ms=50),
         producer=ProducerSettings(spill_dir=tmp_path / f"spill-{instance}"),
-        vllm_sync=VllmSyncSection(port=0, vllm_url=url, check_interval_s=0.3),
+        vllm_sync=VllmSyncSection(port=0, vllm_url=url, check_interval_s=0.3, **section),
     )
     registry = CollectorRegistry()
     service = VllmSyncService(config, Runtime("vllm-sync", instance, registry, TracerProvider()))
@@ -238,5 +249,162 @@ async def test_a_vllm_without_the_dev_mode_endpoints_stops_it_with_the_reason(
     try:
         with pytest.raises(VllmUnusable, match=r"answered 404 .*VLLM_SERVER_DEV_MODE=1"):
             await asyncio.wait_for(service.run(), 30)
+    finally:
+        await vllm.stop()
+
+
+# -- vLLM serving each version as a LoRA adapter (vllm_sync.lora_name) -----------------------
+
+ADAPTED = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"]
+
+
+def _adapter(seed: int, rank: int = 4) -> tuple[dict[str, torch.Tensor], pb_weights.LoraAdapter]:
+    """A version's adapter pairs (PEFT's names) and their manifest description."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module in ADAPTED:
+        out = 48 if module.endswith("down_proj") else 32
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(
+            rank, 32, generator=generator
+        )
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(
+            out, rank, generator=generator
+        )
+    spec = pb_weights.LoraAdapter(
+        rank=rank, alpha=2.0 * rank, target_modules=["down_proj", "q_proj"], base_model="base"
+    )
+    return tensors, spec
+
+
+async def _publish_adapter(server: WeightSyncServer, version: int, rank: int = 4) -> None:
+    tensors, spec = _adapter(seed=version, rank=rank)
+    await server.publish(version, version, tensors, adapter=spec)
+
+
+@pytest_asyncio.fixture
+async def trainer() -> AsyncIterator[WeightSyncServer]:
+    """A WeightSync server that keeps every version these tests publish."""
+    server = WeightSyncServer(WeightSyncSettings(port=0, keep_versions=8))
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@pytest_asyncio.fixture
+async def lora_vllm() -> AsyncIterator[StandInLoraVllm]:
+    server = StandInLoraVllm(max_lora_rank=8)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+async def test_adapter_versions_load_under_versioned_names_and_the_oldest_are_unloaded(
+    broker: EmbeddedBroker,
+    trainer: WeightSyncServer,
+    lora_vllm: StandInLoraVllm,
+    tmp_path: Path,
+) -> None:
+    adapters = tmp_path / "adapters"
+    for version in (1, 2, 3):
+        await _publish_adapter(trainer, version)
+    async with running_sync(
+        broker, tmp_path, lora_vllm.url, lora_name="policy", adapter_dir=adapters
+    ) as (service, _):
+        await asyncio.wait_for(service.ready.wait(), 30)
+        assert service.health() == {"producer": True, "vllm_reachable": True, "following": True}
+        await _announce(broker, tmp_path, 1, trainer.address)
+        loaded = await _wait_loaded(broker, 1)
+        assert loaded.ok and loaded.engine == lora_vllm.url
+        assert loaded.served_model == "policy-v1"  # what the gateway asks vLLM for
+        config, tensors = lora_vllm.adapters["policy-v1"]
+        assert same_bits(tensors, dict(sorted(_adapter(seed=1)[0].items())))
+        assert (config["r"], config["lora_alpha"]) == (4, 8)
+        assert lora_vllm.paths["policy-v1"] == str((adapters / "policy-v1").resolve())
+        for version in (2, 3):
+            await _announce(broker, tmp_path, version, trainer.address)
+            assert (await _wait_loaded(broker, version)).served_model == f"policy-v{version}"
+        assert sorted(lora_vllm.adapters) == ["policy-v2", "policy-v3"]  # keep_adapters: 2
+        assert sorted(p.name for p in adapters.iterdir()) == ["policy-v2", "policy-v3"]
+        assert service.vllm.version == 3
+    assert not any("collective_rpc" in r or "pause" in r for r in lora_vllm.requests)
+
+
+async def test_a_refused_adapter_is_reported_and_the_previous_one_keeps_serving(
+    broker: EmbeddedBroker,
+    trainer: WeightSyncServer,
+    lora_vllm: StandInLoraVllm,
+    tmp_path: Path,
+) -> None:
+    adapters = tmp_path / "adapters"
+    await _publish_adapter(trainer, 1)
+    await _publish_adapter(trainer, 2)
+    await _publish_adapter(trainer, 3, rank=16)  # above vLLM's --max-lora-rank 8
+    await trainer.publish(4, 4, state_dict(seed=4))  # full weights
+    proxy = grpc.aio.server()
+    pb_grpc.add_WeightSyncServicer_to_server(FaultInjector(trainer.address, "flip"), proxy)
+    corrupting = f"127.0.0.1:{proxy.add_insecure_port('127.0.0.1:0')}"
+    await proxy.start()
+    try:
+        async with running_sync(
+            broker, tmp_path, lora_vllm.url, lora_name="policy", adapter_dir=adapters
+        ) as (service, _):
+            await asyncio.wait_for(service.ready.wait(), 30)
+            await _announce(broker, tmp_path, 1, trainer.address)
+            assert (await _wait_loaded(broker, 1)).ok
+            await _announce(broker, tmp_path, 2, corrupting)  # bytes corrupted on the way
+            await _announce(broker, tmp_path, 3, trainer.address)
+            await _announce(broker, tmp_path, 4, trainer.address)
+            refused = [await _wait_loaded(broker, v) for v in (2, 3, 4)]
+            assert [e.ok for e in refused] == [False, False, False]
+            assert "checksum mismatch" in refused[0].error
+            assert "greater than max_lora_rank 8" in refused[1].error
+            assert "full weights" in refused[2].error
+            assert all(not e.served_model for e in refused)
+            assert list(lora_vllm.adapters) == ["policy-v1"]
+            assert [p.name for p in adapters.iterdir()] == ["policy-v1"]
+            assert (service.vllm.version, service.vllm.served_model) == (1, "policy-v1")
+    finally:
+        await proxy.stop(0)
+
+
+async def test_a_restarted_vllm_gets_the_newest_adapter_again(
+    broker: EmbeddedBroker,
+    trainer: WeightSyncServer,
+    lora_vllm: StandInLoraVllm,
+    tmp_path: Path,
+) -> None:
+    await _publish_adapter(trainer, 1)
+    async with running_sync(
+        broker, tmp_path, lora_vllm.url, lora_name="policy", adapter_dir=tmp_path / "a"
+    ) as (service, _):
+        await asyncio.wait_for(service.ready.wait(), 30)
+        await _announce(broker, tmp_path, 1, trainer.address)
+        await _wait_loaded(broker, 1)
+        lora_vllm.restart()  # no adapter loaded any more: it serves its base
+        again = await _wait_loaded(broker, 1, count=2)
+        assert again.ok and again.served_model == "policy-v1"
+        assert list(lora_vllm.adapters) == ["policy-v1"]
+
+
+async def test_a_vllm_without_runtime_lora_updating_refuses_naming_the_setting(
+    broker: EmbeddedBroker, trainer: WeightSyncServer, tmp_path: Path
+) -> None:
+    vllm = StandInLoraVllm(runtime_updating=False)
+    await vllm.start()
+    await _publish_adapter(trainer, 1)
+    try:
+        async with running_sync(
+            broker, tmp_path, vllm.url, lora_name="policy", adapter_dir=tmp_path / "a"
+        ) as (service, _):
+            await asyncio.wait_for(service.ready.wait(), 30)
+            await _announce(broker, tmp_path, 1, trainer.address)
+            refused = await _wait_loaded(broker, 1)
+            assert not refused.ok
+            assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in refused.error
+            assert not (tmp_path / "a" / "policy-v1").exists()
     finally:
         await vllm.stop()

@@ -224,6 +224,8 @@ class _Experiment:
                 "val_after": after["success"],
                 "episodes": episodes,
                 "steps": ledger.step,
+                # Bytes one weight sync moved per engine (the adapter alone under LoRA).
+                "published_bytes": trainer.get("step", {}).get("published_bytes"),
             },
             "trace_hint": "",
             "sampled_episodes": ledger.sampled_episodes()[:50],

@@ -13,6 +13,7 @@ _STEP_GAUGES = {
     "harnessrl_trainer_clip_fraction": "clip_fraction",
     "harnessrl_trainer_grad_norm": "grad_norm",
     "harnessrl_trainer_tokens_per_second": "tokens_per_second",
+    "harnessrl_trainer_published_bytes": "published_bytes",
 }
 
 

@@ -1102,6 +1102,7 @@ class PolicyLoaded(_message.Message):
     LOAD_MS_FIELD_NUMBER: _builtins.int
     OK_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    SERVED_MODEL_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Version now served."""
     engine: _builtins.str
@@ -1112,6 +1113,11 @@ class PolicyLoaded(_message.Message):
     """False when the load failed and the replica keeps serving its previous version."""
     error: _builtins.str
     """Why the load failed, when ok is false."""
+    served_model: _builtins.str
+    """Model name a request must carry to be served this version; "" means the engine's own
+    model name. vllm-sync sets it to the versioned LoRA adapter name it loaded, so the
+    gateway asks the engine for exactly the version it stamps on the call.
+    """
     def __init__(
         self,
         *,
@@ -1120,10 +1126,11 @@ class PolicyLoaded(_message.Message):
         load_ms: _builtins.float = ...,
         ok: _builtins.bool = ...,
         error: _builtins.str = ...,
+        served_model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "error", b"error", "load_ms", b"load_ms", "ok", b"ok", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "error", b"error", "load_ms", b"load_ms", "ok", b"ok", "served_model", b"served_model", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aharnessrl/v1/weights.proto\x12\x0charnessrl.v1\"\x12\n\x10GetLatestRequest\"%\n\x12GetManifestRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\"n\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\t\x12\x12\n\nshm_offset\x18\x06 \x01(\x04\";\n\x0fSharedMemoryRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0c\n\x04host\x18\x03 \x01(\t\"\xb6\x01\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.harnessrl.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x19\n\x11manifest_checksum\x18\x05 \x01(\t\x12*\n\x03shm\x18\x06 \x01(\x0b\x32\x1d.harnessrl.v1.SharedMemoryRef\"8\n\x0c\x46\x65tchRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\r\";\n\x0bWeightChunk\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x32\xe8\x01\n\nWeightSync\x12I\n\tGetLatest\x12\x1e.harnessrl.v1.GetLatestRequest\x1a\x1c.harnessrl.v1.WeightManifest\x12M\n\x0bGetManifest\x12 .harnessrl.v1.GetManifestRequest\x1a\x1c.harnessrl.v1.WeightManifest\x12@\n\x05\x46\x65tch\x12\x1a.harnessrl.v1.FetchRequest\x1a\x19.harnessrl.v1.WeightChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aharnessrl/v1/weights.proto\x12\x0charnessrl.v1\"\x12\n\x10GetLatestRequest\"%\n\x12GetManifestRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\"n\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\t\x12\x12\n\nshm_offset\x18\x06 \x01(\x04\";\n\x0fSharedMemoryRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0c\n\x04host\x18\x03 \x01(\t\"\xe2\x01\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.harnessrl.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x19\n\x11manifest_checksum\x18\x05 \x01(\t\x12*\n\x03shm\x18\x06 \x01(\x0b\x32\x1d.harnessrl.v1.SharedMemoryRef\x12*\n\x07\x61\x64\x61pter\x18\x07 \x01(\x0b\x32\x19.harnessrl.v1.LoraAdapter\"m\n\x0bLoraAdapter\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\x12\x12\n\nbase_model\x18\x04 \x01(\t\x12\x15\n\rbase_checksum\x18\x05 \x01(\t\"8\n\x0c\x46\x65tchRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\r\";\n\x0bWeightChunk\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x32\xe8\x01\n\nWeightSync\x12I\n\tGetLatest\x12\x1e.harnessrl.v1.GetLatestRequest\x1a\x1c.harnessrl.v1.WeightManifest\x12M\n\x0bGetManifest\x12 .harnessrl.v1.GetManifestRequest\x1a\x1c.harnessrl.v1.WeightManifest\x12@\n\x05\x46\x65tch\x12\x1a.harnessrl.v1.FetchRequest\x1a\x19.harnessrl.v1.WeightChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,11 +40,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHAREDMEMORYREF']._serialized_start=215
   _globals['_SHAREDMEMORYREF']._serialized_end=274
   _globals['_WEIGHTMANIFEST']._serialized_start=277
-  _globals['_WEIGHTMANIFEST']._serialized_end=459
-  _globals['_FETCHREQUEST']._serialized_start=461
-  _globals['_FETCHREQUEST']._serialized_end=517
-  _globals['_WEIGHTCHUNK']._serialized_start=519
-  _globals['_WEIGHTCHUNK']._serialized_end=578
-  _globals['_WEIGHTSYNC']._serialized_start=581
-  _globals['_WEIGHTSYNC']._serialized_end=813
+  _globals['_WEIGHTMANIFEST']._serialized_end=503
+  _globals['_LORAADAPTER']._serialized_start=505
+  _globals['_LORAADAPTER']._serialized_end=614
+  _globals['_FETCHREQUEST']._serialized_start=616
+  _globals['_FETCHREQUEST']._serialized_end=672
+  _globals['_WEIGHTCHUNK']._serialized_start=674
+  _globals['_WEIGHTCHUNK']._serialized_end=733
+  _globals['_WEIGHTSYNC']._serialized_start=736
+  _globals['_WEIGHTSYNC']._serialized_end=968
 # @@protoc_insertion_point(module_scope)

@@ -144,6 +144,7 @@ class WeightManifest(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     MANIFEST_CHECKSUM_FIELD_NUMBER: _builtins.int
     SHM_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Policy version described."""
     step: _builtins.int
@@ -160,6 +161,14 @@ class WeightManifest(_message.Message):
     def shm(self) -> Global___SharedMemoryRef:
         """Set when the bytes are also offered through shared memory on the trainer's host."""
 
+    @_builtins.property
+    def adapter(self) -> Global___LoraAdapter:
+        """Set when the version is a LoRA adapter (the trainer trains adapters on a frozen base):
+        `tensors` then holds only the adapter pairs, named as PEFT's adapter_model.safetensors
+        names them ("base_model.model.<module>.lora_A.weight", "....lora_B.weight"), and the
+        manifest checksum covers this message too. Unset: `tensors` is the whole state dict.
+        """
+
     def __init__(
         self,
         *,
@@ -169,14 +178,57 @@ class WeightManifest(_message.Message):
         total_bytes: _builtins.int = ...,
         manifest_checksum: _builtins.str = ...,
         shm: Global___SharedMemoryRef | None = ...,
+        adapter: Global___LoraAdapter | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["shm", b"shm"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["manifest_checksum", b"manifest_checksum", "shm", b"shm", "step", b"step", "tensors", b"tensors", "total_bytes", b"total_bytes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "manifest_checksum", b"manifest_checksum", "shm", b"shm", "step", b"step", "tensors", b"tensors", "total_bytes", b"total_bytes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WeightManifest: _TypeAlias = WeightManifest  # noqa: Y015
+
+@_typing.final
+class LoraAdapter(_message.Message):
+    """What an engine needs, besides the tensors, to apply a version that is a LoRA adapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    ALPHA_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    BASE_MODEL_FIELD_NUMBER: _builtins.int
+    BASE_CHECKSUM_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    """Rank r of every adapter pair (A: r x in_features, B: out_features x r)."""
+    alpha: _builtins.float
+    """Scaling numerator: an adapted layer computes W x + (alpha / rank) * B (A x)."""
+    base_model: _builtins.str
+    """The base model the adapter applies to, as the trainer was given it (a directory)."""
+    base_checksum: _builtins.str
+    """Checksum over the base model's weight files, "<algorithm>:<hex>"
+    (harnessrl.weights.adapter.base_checksum); "" when the trainer could not read them.
+    """
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Names (last component) of the linear layers that carry an adapter, e.g. "q_proj"."""
+
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        alpha: _builtins.float = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+        base_model: _builtins.str = ...,
+        base_checksum: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "base_checksum", b"base_checksum", "base_model", b"base_model", "rank", b"rank", "target_modules", b"target_modules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraAdapter: _TypeAlias = LoraAdapter  # noqa: Y015
 
 @_typing.final
 class FetchRequest(_message.Message):

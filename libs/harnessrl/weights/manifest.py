@@ -6,8 +6,9 @@ tensor is described by the bytes of its contiguous form, so a puller can rebuild
 
 The manifest checksum covers, in manifest order, each tensor's name, dtype, shape and
 checksum. Its input is the UTF-8 text of one line per tensor,
-`name \\t dtype \\t dim,dim,... \\t checksum \\n`, hashed with the algorithm its own prefix
-names, so any language can recompute it.
+`name \\t dtype \\t dim,dim,... \\t checksum \\n`, followed for an adapter version by the
+adapter's line (harnessrl.weights.adapter.adapter_line), hashed with the algorithm its own
+prefix names, so any language can recompute it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from harnessrl.v1 import weights_pb2 as pb
+from harnessrl.weights.adapter import adapter_line, split_name
 from harnessrl.weights.checksums import DEFAULT_ALGORITHM, algorithm_of, digest
 from harnessrl.weights.errors import WeightSyncError
 
@@ -67,11 +69,18 @@ def spec_for(name: str, tensor: torch.Tensor, checksum: str, shm_offset: int = 0
     )
 
 
-def manifest_checksum(tensors: Iterable[pb.TensorSpec], algorithm: str = DEFAULT_ALGORITHM) -> str:
-    """The checksum over the tensors' names, dtypes, shapes and checksums, in order."""
+def manifest_checksum(
+    tensors: Iterable[pb.TensorSpec],
+    algorithm: str = DEFAULT_ALGORITHM,
+    adapter: pb.LoraAdapter | None = None,
+) -> str:
+    """The checksum over the tensors' names, dtypes, shapes and checksums, in order, and
+    the adapter's description when the version is one."""
     text = "".join(
         f"{t.name}\t{t.dtype}\t{','.join(map(str, t.shape))}\t{t.checksum}\n" for t in tensors
     )
+    if adapter is not None:
+        text += adapter_line(adapter)
     return digest(text.encode(), algorithm)
 
 
@@ -80,15 +89,18 @@ def build_manifest(
     step: int,
     tensors: Iterable[pb.TensorSpec],
     algorithm: str = DEFAULT_ALGORITHM,
+    adapter: pb.LoraAdapter | None = None,
 ) -> pb.WeightManifest:
-    """A manifest with total_bytes and manifest_checksum filled in (no shared memory)."""
+    """A manifest with total_bytes and manifest_checksum filled in (no shared memory);
+    `adapter` set for a version that is a LoRA adapter."""
     specs = list(tensors)
     return pb.WeightManifest(
         version=version,
         step=step,
         tensors=specs,
         total_bytes=sum(t.nbytes for t in specs),
-        manifest_checksum=manifest_checksum(specs, algorithm),
+        manifest_checksum=manifest_checksum(specs, algorithm, adapter),
+        adapter=adapter,
     )
 
 
@@ -98,7 +110,8 @@ def verify_manifest(manifest: pb.WeightManifest) -> None:
     Raises WeightSyncError naming the tensor when a name repeats, a dtype is unknown,
     nbytes disagrees with shape x element size, a checksum is malformed or of an unknown
     algorithm, a shared-memory range falls outside the segment, total_bytes is not the sum,
-    or the manifest checksum does not match the tensors listed.
+    or the manifest checksum does not match the tensors listed (and the adapter, for an
+    adapter version); for an adapter, also a tensor name that is no LoRA pair's.
     """
     what = f"version {manifest.version}"
     seen: set[str] = set()
@@ -115,6 +128,8 @@ def verify_manifest(manifest: pb.WeightManifest) -> None:
                 f"of {spec.dtype} ({expected} bytes)"
             )
         algorithm_of(spec.checksum, where)
+        if manifest.HasField("adapter"):
+            split_name(spec.name)
         if manifest.HasField("shm") and spec.shm_offset + spec.nbytes > manifest.shm.size:
             raise WeightSyncError(
                 f"{where}: shared-memory range [{spec.shm_offset}, "
@@ -128,7 +143,8 @@ def verify_manifest(manifest: pb.WeightManifest) -> None:
             f"nbytes ({total})"
         )
     algorithm = algorithm_of(manifest.manifest_checksum, f"{what} manifest")
-    actual = manifest_checksum(manifest.tensors, algorithm)
+    adapter = manifest.adapter if manifest.HasField("adapter") else None
+    actual = manifest_checksum(manifest.tensors, algorithm, adapter)
     if actual != manifest.manifest_checksum:
         raise WeightSyncError(
             f"{what}: manifest checksum mismatch: it says {manifest.manifest_checksum}, "

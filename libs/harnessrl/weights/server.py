@@ -107,9 +107,17 @@ class WeightSyncServer:
         self._store.clear()
 
     async def publish(
-        self, version: int, step: int, state_dict: Mapping[str, torch.Tensor]
+        self,
+        version: int,
+        step: int,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        adapter: pb.LoraAdapter | None = None,
     ) -> pb.WeightManifest:
         """Copy `state_dict` as `version` and serve it; returns (a copy of) its manifest.
+
+        `adapter` set: the version is a LoRA adapter, `state_dict` only its pairs under
+        PEFT's names (harnessrl.weights.adapter), and the manifest says so.
 
         The copy is taken before this returns, so the caller may change its tensors right
         after. Versions must increase: ValueError otherwise. The copy and checksums run in a
@@ -126,6 +134,7 @@ class WeightSyncServer:
                 state_dict,
                 algorithm=self._settings.checksum,
                 shared_memory=self._settings.shared_memory,
+                adapter=adapter,
             )
             self._store.add(held)
         manifest = held.manifest
@@ -133,6 +142,7 @@ class WeightSyncServer:
             "weights version published",
             version=version,
             step=step,
+            kind="adapter" if adapter is not None else "full",
             tensors=len(manifest.tensors),
             bytes=manifest.total_bytes,
             shm=manifest.shm.name or None,

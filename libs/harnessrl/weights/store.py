@@ -81,11 +81,16 @@ def snapshot(
     *,
     algorithm: str,
     shared_memory: bool,
+    adapter: pb.LoraAdapter | None = None,
 ) -> HeldVersion:
     """Copy `state_dict` (tensors on any device, any dtype) into a new HeldVersion.
 
-    Runs in a worker thread: copying and hashing release the GIL. Raises TypeError naming
-    the key of a value that is not a tensor.
+    Runs in a worker thread: copying and hashing release the GIL. A DTensor (a trainer
+    sharded with FSDP) is all-gathered when its turn comes, one tensor at a time, so the
+    whole model is never gathered at once; every other rank must gather the same tensors
+    in the same order meanwhile. `adapter` describes a version that is a LoRA adapter
+    (the manifest then carries it). Raises TypeError naming the key of a value that is not
+    a tensor.
     """
     tensors: list[tuple[str, torch.Tensor]] = []
     for name, value in state_dict.items():
@@ -102,27 +107,34 @@ def snapshot(
     try:
         specs = []
         for (name, tensor), offset in zip(tensors, offsets, strict=True):
-            source = tensor_bytes(tensor.contiguous())
+            whole = _whole(tensor)
+            source = tensor_bytes(whole.contiguous())
             nbytes = source.numel()
             if nbytes:
                 target = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
                 target.copy_(source)
                 del target  # the segment cannot be closed while a tensor exports it
             checksum = digest(buffer[offset : offset + nbytes], algorithm)
-            specs.append(spec_for(name, tensor, checksum, offset if segment else 0))
+            specs.append(spec_for(name, whole, checksum, offset if segment else 0))
     except BaseException:
         if segment is not None:
             segment.unlink()
             with contextlib.suppress(BufferError):  # a view may live on in the traceback
                 segment.close()
         raise
-    manifest = build_manifest(version, step, specs, algorithm)
+    manifest = build_manifest(version, step, specs, algorithm, adapter)
     if segment is not None:
         manifest.shm.CopyFrom(
             pb.SharedMemoryRef(name=segment.name, size=segment.size, host=socket.gethostname())
         )
     data = buffer if segment is None else buffer[:]
     return HeldVersion(manifest, data, tuple(offsets), segment)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 class VersionStore:
