@@ -1,16 +1,23 @@
 """The kustomize tree under deploy/k8s: each overlay renders (`kubectl kustomize`, offline),
-and what it renders is what the services, the controller's runner and Kubernetes accept."""
+and what it renders is what the services, the controller's runner, torchrun and Kubernetes
+accept. No API server runs here: where a controller fills in a pod (a StatefulSet's
+ordinal, a Job's completion index) the test does what the controller does."""
 
 from __future__ import annotations
 
 import argparse
 import base64
 import functools
+import http.server
+import importlib.util
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,13 +45,17 @@ pytestmark = pytest.mark.skipif(
 Obj = dict[str, Any]
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERLAYS = ("external-kafka", "strimzi")
+OVERLAYS = ("external-kafka", "strimzi", "trainer-multinode", "trainer-multinode-job")
+# The overlays whose trainer is a torchrun job over several pods: the kind of its workload.
+MULTINODE = {"trainer-multinode": "StatefulSet", "trainer-multinode-job": "Job"}
+# Whose secrets.env an overlay reads, when not its own (it is built on that overlay).
+SECRETS_FROM = {"trainer-multinode": "external-kafka", "trainer-multinode-job": "external-kafka"}
 NAMESPACE = "harnessrl"
 PART_OF = "app.kubernetes.io/part-of"
 HARNESS_SELECTOR = {"app.kubernetes.io/component": "harness"}
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
 STRIMZI_GROUP = "kafka.strimzi.io/"
-WORKLOADS = ("Deployment", "StatefulSet")
+WORKLOADS = ("Deployment", "StatefulSet", "Job")
 
 # The service each `harnessrl <command>` runs: its config class and its section in it.
 SERVICES: dict[str, tuple[type[ServiceConfig], str]] = {
@@ -63,6 +74,9 @@ EXPECTED_WORKLOADS = {
     ("Deployment", "inference"),
     ("StatefulSet", "gateway"),
 }
+PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
+RANK_PORT = 29500  # torchrun's rendezvous store on node rank 0 (--master-port)
+NCCL_PORT = 45000  # one of the ephemeral ports NCCL and gloo listen on
 # The controller's whole grant: (API group, resource, verb).
 ROLE_GRANTS = {
     *(("batch", "jobs", v) for v in ("create", "get", "list", "watch", "delete")),
@@ -77,7 +91,14 @@ SAMPLE = {
     "JOB_NAME": "hrl-ep-g1-0-0",
 }
 SAMPLE_COMMAND = ["python", "harness.py", "--task", "it's $HOME"]
-POD_FIELDS = {"status.podIP": "10.1.2.3", "metadata.name": "pod-0"}
+POD_FIELDS = {
+    "status.podIP": "10.1.2.3",
+    "metadata.name": "pod-0",
+    "metadata.namespace": NAMESPACE,
+    # What the StatefulSet and Job controllers set on a pod (pod_metadata), for pod 0.
+    "metadata.labels['apps.kubernetes.io/pod-index']": "0",
+    "metadata.annotations['batch.kubernetes.io/job-completion-index']": "0",
+}
 
 
 SECRETS = {"token-secret": "t0ken-" + "a" * 58, "admin-token": "adm1n-" + "b" * 58}
@@ -103,7 +124,7 @@ def _tree() -> Path:
     tree = Path(tempfile.mkdtemp(prefix="hrl-k8s-")) / "k8s"
     atexit.register(shutil.rmtree, tree.parent, True)
     shutil.copytree(ROOT / "deploy" / "k8s", tree, ignore=shutil.ignore_patterns("secrets.env"))
-    for overlay in OVERLAYS:
+    for overlay in {SECRETS_FROM.get(o, o) for o in OVERLAYS}:
         lines = "".join(f"{key}={value}\n" for key, value in SECRETS.items())
         (tree / "overlays" / overlay / "secrets.env").write_text(lines)
     return tree
@@ -124,6 +145,11 @@ def overlay(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def objects(overlay: str) -> tuple[Obj, ...]:
     return _render(overlay)
+
+
+@pytest.fixture(params=sorted(MULTINODE))
+def multinode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 def kinds(objects: tuple[Obj, ...], kind: str) -> list[Obj]:
@@ -148,7 +174,7 @@ def config_map(objects: tuple[Obj, ...], name: str) -> Obj:
 
 
 def workloads(objects: tuple[Obj, ...]) -> Iterator[tuple[Obj, Obj]]:
-    """(workload, pod spec) of every Deployment and StatefulSet."""
+    """(workload, pod spec) of every Deployment, StatefulSet and Job."""
     for obj in objects:
         if obj["kind"] in WORKLOADS:
             yield obj, obj["spec"]["template"]["spec"]
@@ -170,8 +196,14 @@ def cli_commands() -> set[str]:
 
 
 def command_of(container: Obj) -> str:
-    """The harnessrl subcommand a container runs (the image's entrypoint is `harnessrl`)."""
+    """The harnessrl subcommand a container runs (the image's entrypoint is `harnessrl`; or
+    `torchrun ... -m harnessrl.services.<command>`, the same service as ranks)."""
     words = [*container.get("command", []), *container.get("args", [])]
+    if words and words[0] == "torchrun":
+        module = words[words.index("-m") + 1]
+        assert module.startswith("harnessrl.services."), f"torchrun runs {module}"
+        assert importlib.util.find_spec(f"{module}.__main__"), f"no python -m {module}"
+        return module.removeprefix("harnessrl.services.").replace("_", "-")
     if container.get("command"):
         assert words[0] == "harnessrl", f"{container['name']} runs {words[0]!r}, not harnessrl"
         words = words[1:]
@@ -187,6 +219,22 @@ def port_number(container: Obj, port: int | str) -> int:
     return int(numbers[0])
 
 
+def healthz_port(objects: tuple[Obj, ...], pod: Obj, container: Obj, probe: str) -> int:
+    """The port whose GET /healthz `probe` checks: an httpGet's, or that of the trainer
+    pods' `python healthz.py PORT`, a script mounted from a ConfigMap (which
+    test_multinode_probe_checks_healthz_on_node_rank_zero_only runs)."""
+    what = f"{container['name']}: {probe}"
+    spec = container.get(probe)
+    assert spec, f"{what} missing"
+    if "httpGet" in spec:
+        assert spec["httpGet"]["path"] == "/healthz", f"{what} on {spec['httpGet']['path']}"
+        return port_number(container, spec["httpGet"]["port"])
+    python, script, port = spec["exec"]["command"]
+    assert python == "python" and script.endswith("/healthz.py"), what
+    assert "/healthz" in mounted_file(objects, pod, container, script), what
+    return int(port)
+
+
 def harnessrl_yaml(objects: tuple[Obj, ...]) -> str:
     return str(config_map(objects, "harnessrl-config")["data"]["harnessrl.yaml"])
 
@@ -198,8 +246,11 @@ def secret_value(objects: tuple[Obj, ...], name: str, key: str) -> str:
     return base64.b64decode(secret["data"][key]).decode()
 
 
-def container_env(objects: tuple[Obj, ...], container: Obj) -> dict[str, str]:
-    """The environment Kubernetes gives `container`: envFrom, then env with $(VAR) expanded."""
+def container_env(
+    objects: tuple[Obj, ...], container: Obj, fields: dict[str, str] = POD_FIELDS
+) -> dict[str, str]:
+    """The environment Kubernetes gives `container`: envFrom, then env with $(VAR) expanded,
+    the downward API's values (fieldRef) taken from `fields`."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         ref = source["configMapRef"]["name"]
@@ -217,7 +268,9 @@ def container_env(objects: tuple[Obj, ...], container: Obj) -> dict[str, str]:
             ref = source["secretKeyRef"]
             env[entry["name"]] = secret_value(objects, ref["name"], ref["key"])
         elif "fieldRef" in source:
-            env[entry["name"]] = POD_FIELDS[source["fieldRef"]["fieldPath"]]
+            path = source["fieldRef"]["fieldPath"]
+            assert path in fields, f"{container['name']}: {path} is not set on the pod"
+            env[entry["name"]] = fields[path]
         else:
             raise AssertionError(f"{container['name']}: unexpected env source {source}")
     return env
@@ -316,9 +369,12 @@ def rendered_job(objects: tuple[Obj, ...]) -> Obj:
 # -- rendering, labels, namespace ---------------------------------------------------------
 
 
-def test_overlay_renders_every_service(objects: tuple[Obj, ...]) -> None:
+def test_overlay_renders_every_service(overlay: str, objects: tuple[Obj, ...]) -> None:
+    expected = EXPECTED_WORKLOADS
+    if overlay in MULTINODE:  # the trainer's Deployment replaced by N torchrun pods
+        expected = expected - {("Deployment", "trainer")} | {(MULTINODE[overlay], "trainer")}
     assert {(o["kind"], o["metadata"]["name"]) for o in objects if o["kind"] in WORKLOADS} == (
-        EXPECTED_WORKLOADS
+        expected
     )
     named(objects, "Namespace", NAMESPACE)
     named(objects, "NetworkPolicy", "harness-egress")
@@ -364,7 +420,7 @@ def test_secrets_come_from_the_operators_file_and_placeholders_are_refused(
     # ...and without that file the overlay does not render at all.
     bare = tmp_path / "k8s"
     shutil.copytree(_tree(), bare)
-    (bare / "overlays" / overlay / "secrets.env").unlink()
+    (bare / "overlays" / SECRETS_FROM.get(overlay, overlay) / "secrets.env").unlink()
     done = _kustomize(bare / "overlays" / overlay)
     assert done.returncode != 0 and "secrets.env" in done.stderr
     assert "secrets.env" in (ROOT / ".gitignore").read_text()
@@ -479,10 +535,7 @@ def test_every_container_runs_a_harnessrl_command_with_healthz_probes(
             what = f"{workload['metadata']['name']}/{container['name']}"
             assert command_of(container) in commands, f"{what}: not a harnessrl command"
             for probe in ("livenessProbe", "readinessProbe"):
-                get = container.get(probe, {}).get("httpGet")
-                assert get, f"{what}: no HTTP {probe}"
-                assert get["path"] == "/healthz", f"{what}: {probe} on {get['path']}"
-                port_number(container, get["port"])
+                healthz_port(objects, pod, container, probe)
             assert container["resources"]["requests"].get("cpu"), what
             assert container["resources"]["requests"].get("memory"), what
             context = container["securityContext"]
@@ -503,7 +556,7 @@ def test_each_service_loads_its_config_and_listens_where_probes_and_services_loo
             section = getattr(config, SERVICES[command][1])
             what = f"{workload['metadata']['name']}/{container['name']}"
             assert section.host == "0.0.0.0", f"{what} listens on {section.host} only"
-            probe_port = port_number(container, container["livenessProbe"]["httpGet"]["port"])
+            probe_port = healthz_port(objects, pod, container, "livenessProbe")
             assert probe_port == section.port, f"{what}: probes {probe_port}, serves {section.port}"
             assert section.port in services[workload["metadata"]["name"]], what
             assert config.telemetry.exporter == "otlp-grpc"
@@ -614,6 +667,276 @@ def test_bootstrap_address_is_the_overlays(overlay: str, objects: tuple[Obj, ...
     roles = {r for p in pools for r in p["spec"]["roles"]}
     assert roles == {"broker", "controller"}
     assert kafka["spec"]["kafka"]["config"]["message.max.bytes"] >= 16 * 1024 * 1024
+
+
+# -- the multi-node trainer --------------------------------------------------------------
+
+
+def trainer_pods(objects: tuple[Obj, ...]) -> tuple[Obj, Obj, Obj, int]:
+    """(workload, pod spec, trainer container, node count) of a multi-node overlay."""
+    (workload,) = [w for w, _ in workloads(objects) if w["metadata"]["name"] == "trainer"]
+    spec, pod = workload["spec"], workload["spec"]["template"]["spec"]
+    if workload["kind"] == "StatefulSet":
+        nodes = spec["replicas"]
+    else:
+        assert spec["completionMode"] == "Indexed", "a Job's pods need their index"
+        assert spec["parallelism"] == spec["completions"], "every rank must run at once"
+        nodes = spec["completions"]
+    (container,) = pod["containers"]
+    return workload, pod, container, int(nodes)
+
+
+def pod_metadata(workload: Obj, index: int) -> tuple[str, dict[str, str], dict[str, str]]:
+    """(hostname, labels, annotations) of the workload's pod `index` as its controller makes
+    it (Kubernetes 1.28 and later: the pod-index and completion-index labels)."""
+    name = workload["metadata"]["name"]
+    labels = dict(workload["spec"]["template"]["metadata"]["labels"])
+    annotations: dict[str, str] = {}
+    if workload["kind"] == "StatefulSet":
+        labels["statefulset.kubernetes.io/pod-name"] = f"{name}-{index}"
+        labels["apps.kubernetes.io/pod-index"] = str(index)
+    else:
+        labels["batch.kubernetes.io/job-name"] = name
+        labels["batch.kubernetes.io/job-completion-index"] = str(index)
+        annotations["batch.kubernetes.io/job-completion-index"] = str(index)
+    return f"{name}-{index}", labels, annotations
+
+
+def pod_fields(workload: Obj, index: int) -> dict[str, str]:
+    """What the downward API gives pod `index` of `workload` (fieldRef paths)."""
+    hostname, labels, annotations = pod_metadata(workload, index)
+    return {
+        "status.podIP": f"10.1.2.{10 + index}",
+        "metadata.name": hostname,
+        "metadata.namespace": NAMESPACE,
+        **{f"metadata.labels['{k}']": v for k, v in labels.items()},
+        **{f"metadata.annotations['{k}']": v for k, v in annotations.items()},
+    }
+
+
+def torchrun_args(container: Obj, env: dict[str, str]) -> argparse.Namespace:
+    """The container's torchrun arguments, $(VAR) expanded as the kubelet does, parsed by
+    torchrun's own parser."""
+    from torch.distributed.run import get_args_parser
+
+    assert container["command"] == ["torchrun"]
+    words = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], w) for w in container["args"]]
+    return get_args_parser().parse_args(words)
+
+
+def mount_of(container: Obj, path: str) -> Obj:
+    """The volume mount `path` lies on (the deepest that holds it)."""
+    found = [
+        m
+        for m in container.get("volumeMounts", [])
+        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
+    assert found, f"nothing is mounted at {path} in {container['name']}"
+    return max(found, key=lambda m: len(m["mountPath"]))
+
+
+def peer_matches(peer: Obj, labels: dict[str, str]) -> bool:
+    """Whether a NetworkPolicy peer covers a pod with `labels` in this namespace."""
+    assert "ipBlock" not in peer, f"not modelled here: {peer}"
+    namespaces = peer.get("namespaceSelector", {}).get("matchLabels", {})
+    if not selects(namespaces, {"kubernetes.io/metadata.name": NAMESPACE}):
+        return False
+    if "podSelector" not in peer:
+        return True  # a namespaceSelector alone: every pod of the namespace
+    return selects(peer["podSelector"].get("matchLabels", {}), labels)
+
+
+def port_matches(rule: Obj, port: int) -> bool:
+    """Whether a NetworkPolicy rule covers TCP `port` (no ports: every port)."""
+    if "ports" not in rule:
+        return True
+    for entry in rule["ports"]:
+        assert isinstance(entry["port"], int), f"named ports not modelled here: {entry}"
+        last = entry.get("endPort", entry["port"])
+        if entry.get("protocol", "TCP") == "TCP" and entry["port"] <= port <= last:
+            return True
+    return False
+
+
+def connects(
+    objects: tuple[Obj, ...], source: dict[str, str], target: dict[str, str], port: int
+) -> bool:
+    """Whether the NetworkPolicies let a pod labelled `source` open a TCP connection to
+    `port` of a pod labelled `target` (both in this namespace): the source's egress and the
+    target's ingress must each be unrestricted (no policy selects the pod) or allow it."""
+    for direction, pod, other, peers in (
+        ("Egress", source, target, "to"),
+        ("Ingress", target, source, "from"),
+    ):
+        policies = [
+            policy["spec"]
+            for policy in kinds(objects, "NetworkPolicy")
+            if direction in policy["spec"]["policyTypes"]
+            and selects(policy["spec"]["podSelector"].get("matchLabels", {}), pod)
+        ]
+        if not policies:
+            continue  # an unselected pod is not isolated in that direction
+        rules = [rule for spec in policies for rule in spec.get(direction.lower()) or []]
+        if not any(
+            port_matches(rule, port)
+            and (peers not in rule or any(peer_matches(p, other) for p in rule[peers]))
+            for rule in rules
+        ):
+            return False
+    return True
+
+
+def named_labels(objects: tuple[Obj, ...], workload: str) -> dict[str, str]:
+    (found,) = [w for w, _ in workloads(objects) if w["metadata"]["name"] == workload]
+    return dict(found["spec"]["template"]["metadata"]["labels"])
+
+
+@pytest.fixture
+def healthz() -> Iterator[tuple[int, list[int]]]:
+    """A real HTTP server on a loopback port answering GET /healthz with status[0]."""
+    status = [200]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status[0] if self.path == "/healthz" else 404)
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1], status
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+def test_multinode_trainer_pods_are_the_nodes_of_one_torchrun_job(multinode: str) -> None:
+    objects = _render(multinode)
+    workload, pod, container, nodes = trainer_pods(objects)
+    assert nodes >= 2
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    if workload["kind"] == "StatefulSet":
+        subdomain = workload["spec"]["serviceName"]
+        # Every pod at once: pod 0 is ready only when all ranks have joined it, so ordered
+        # start-up would wait for it forever before starting pod 1.
+        assert workload["spec"]["podManagementPolicy"] == "Parallel"
+    else:
+        subdomain = pod["subdomain"]
+    ranks = named(objects, "Service", subdomain)
+    assert ranks["spec"]["clusterIP"] == "None"
+    assert ranks["spec"]["publishNotReadyAddresses"] is True  # the ranks meet before ready
+    leader, _, _ = pod_metadata(workload, 0)
+    node_ranks = []
+    for index in range(nodes):
+        hostname, labels, _ = pod_metadata(workload, index)
+        assert selects(ranks["spec"]["selector"], labels), f"{hostname} has no DNS name"
+        env = container_env(objects, container, pod_fields(workload, index))
+        args = torchrun_args(container, env)
+        # Static rendezvous keeps the node ranks given, so global rank 0 is on pod 0.
+        assert args.rdzv_backend == "static"
+        assert args.nnodes == str(nodes), "NNODES must equal the pod count"
+        assert args.nproc_per_node == str(gpus), "one rank per GPU of the pod"
+        assert args.master_addr == f"{leader}.{subdomain}.{NAMESPACE}.svc"
+        assert args.master_port == RANK_PORT
+        assert args.module and args.training_script == "harnessrl.services.trainer"
+        assert not args.training_script_args  # its config: $HARNESSRL_CONFIG
+        node_ranks.append(args.node_rank)
+    assert node_ranks == list(range(nodes)), "pod i must be node rank i"
+
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mount_of(container, "/dev/shm")["name"]]["emptyDir"]["medium"] == "Memory"
+    stack = named(objects, "Deployment", "controller")["spec"]["template"]["spec"]
+    assert container["image"] == stack["containers"][0]["image"]
+
+
+def test_multinode_checkpoints_and_model_are_on_readwritemany_claims(
+    multinode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    objects = _render(multinode)
+    workload, pod, container, _ = trainer_pods(objects)
+    config = load_service_config(objects, pod, container, tmp_path, monkeypatch)
+    assert isinstance(config, TrainerConfig)
+    assert not workload["spec"].get("volumeClaimTemplates"), "a claim per pod is not shared"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    # Every rank writes its shards of each checkpoint and reads the initial policy.
+    for path in (str(config.trainer.checkpoint_dir), str(config.trainer.model)):
+        claim = volumes[mount_of(container, path)["name"]]["persistentVolumeClaim"]["claimName"]
+        modes = named(objects, "PersistentVolumeClaim", claim)["spec"]["accessModes"]
+        assert modes == ["ReadWriteMany"], f"{path} is on {claim}, {modes}"
+    # The engine is no longer pinned to a trainer's node (whose GPUs the ranks hold).
+    engine = named(objects, "Deployment", "inference")["spec"]["template"]["spec"]
+    assert "podAffinity" not in (engine.get("affinity") or {})
+
+
+def test_multinode_trainer_service_selects_pod_zero_only(multinode: str) -> None:
+    objects = _render(multinode)
+    workload, _, _, nodes = trainer_pods(objects)
+    selector = named(objects, "Service", "trainer")["spec"]["selector"]
+    chosen = [i for i in range(nodes) if selects(selector, pod_metadata(workload, i)[1])]
+    assert chosen == [0], f"the trainer Service (WeightSync, /metrics) selects pods {chosen}"
+
+
+def test_multinode_network_policy_lets_ranks_talk_and_keeps_others_off_rank_ports(
+    multinode: str,
+) -> None:
+    objects = _render(multinode)
+    workload, _, container, nodes = trainer_pods(objects)
+    pods = [pod_metadata(workload, i)[1] for i in range(nodes)]
+    for source in pods:
+        for target in pods:
+            for port in (RANK_PORT, NCCL_PORT):
+                assert source is target or connects(objects, source, target, port), port
+    leader = pods[0]
+    engine = named_labels(objects, "inference")
+    harness = rendered_job(objects)["spec"]["template"]["metadata"]["labels"]
+    for port in (port_number(container, "http"), port_number(container, "grpc-weights")):
+        assert connects(objects, engine, leader, port), f"engines to {port}"
+    for port in (RANK_PORT, NCCL_PORT):
+        assert not connects(objects, engine, leader, port), f"rank port {port}"
+        assert not connects(objects, harness, leader, port), f"rank port {port}"
+    assert connects(objects, harness, named_labels(objects, "gateway"), 8000)
+
+
+def test_multinode_job_trains_max_steps_then_exits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    objects = _render("trainer-multinode-job")
+    _, pod, container, _ = trainer_pods(objects)
+    config = load_service_config(objects, pod, container, tmp_path, monkeypatch)
+    assert isinstance(config, TrainerConfig)
+    assert config.trainer.max_steps is not None, "a finite run needs trainer.max_steps"
+    assert config.trainer.at_max_steps == "exit", "rank 0 must exit for the Job to complete"
+    assert pod["restartPolicy"] in ("OnFailure", "Never")
+
+
+def test_multinode_probe_checks_healthz_on_node_rank_zero_only(
+    multinode: str, tmp_path: Path, healthz: tuple[int, list[int]]
+) -> None:
+    objects = _render(multinode)
+    _, pod, container, _ = trainer_pods(objects)
+    probes = {tuple(container[p]["exec"]["command"]) for p in PROBES}
+    assert len(probes) == 1, "startup, liveness and readiness probes differ"
+    ((_, script, _),) = probes
+    local = tmp_path / "healthz.py"
+    local.write_text(mounted_file(objects, pod, container, script))
+    port, status = healthz
+    closed = socket.socket()  # bound, never listening: connections to it are refused
+    closed.bind(("127.0.0.1", 0))
+
+    def probe(node_rank: str, at: int) -> int:
+        env = {"NODE_RANK": node_rank, "PATH": os.environ.get("PATH", "")}
+        run = [sys.executable, str(local), str(at)]
+        return subprocess.run(run, env=env, capture_output=True, timeout=30, check=False).returncode
+
+    with closed:
+        assert probe("0", port) == 0
+        status[0] = 503  # the service's answer when its training task has died
+        assert probe("0", port) != 0
+        assert probe("0", closed.getsockname()[1]) != 0  # not serving (yet)
+        assert probe("1", closed.getsockname()[1]) == 0  # the other nodes serve nothing
 
 
 # -- the Kubernetes OpenAPI schemas --------------------------------------------------------
