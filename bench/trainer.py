@@ -124,8 +124,9 @@ class Bare:
     """The bare loop: a plain model, AdamW, and the least loss a policy gradient needs."""
 
     def __init__(self, model_dir: Path, device: torch.device, settings: TrainerSection) -> None:
-        """Loads the model from `model_dir`; AdamW and clipping as the trainer's `settings`
-        (the trainer's warm-up is off at its default, so its learning rate is constant)."""
+        """Loads the model from `model_dir` (with the same LoRA adapters as the trainer's
+        when `settings.lora` is set); AdamW and clipping as the trainer's `settings` (the
+        trainer's warm-up is off at its default, so its learning rate is constant)."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -133,12 +134,16 @@ class Bare:
         self.grad_clip = settings.grad_clip
         loaded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.vocab = int(loaded.config.vocab_size)
+        if settings.lora is not None:
+            from harnessrl.services.trainer.lora import apply_lora
+
+            loaded = apply_lora(loaded, settings.lora, device=device)
         model: torch.nn.Module = loaded
         model.to(device)
         model.train()
         self.model = model
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=settings.lr,
             betas=settings.betas,
             weight_decay=settings.weight_decay,
@@ -159,7 +164,8 @@ class Bare:
             loss = -(adv * picked * mask).sum() / mask.sum().clamp(min=1.0)
             loss.backward()  # type: ignore[no-untyped-call]
             del logits, logp, picked, loss
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        torch.nn.utils.clip_grad_norm_(trainable, self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -171,14 +177,31 @@ class Bare:
         return contextlib.nullcontext()
 
 
+def from_config(config_path: Path, directory: Path, seed: int) -> Path:
+    """Write a randomly initialised model of the architecture `config_path` (a config.json
+    or a directory holding one) describes to `directory`: no weights are downloaded."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_path)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    model.save_pretrained(directory)
+    return directory
+
+
 @contextlib.contextmanager
 def model_directory(args: argparse.Namespace) -> Iterator[Path]:
-    """The model both sides load: --model, or a temporary random 0.5B for --model-size 0.5b."""
-    if args.model_size != "0.5b":
+    """The model both sides load: --model; a temporary random one from --model-config; or
+    a temporary random 0.5B for --model-size 0.5b."""
+    if args.model_size != "0.5b" and args.model_config is None:
         yield args.model
         return
     with tempfile.TemporaryDirectory(prefix="harnessrl-bench-trainer-") as tmp:
-        yield qwen_0_5b(Path(tmp), args.seed)
+        if args.model_config is not None:
+            yield from_config(args.model_config, Path(tmp), args.seed)
+        else:
+            yield qwen_0_5b(Path(tmp), args.seed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +217,7 @@ class Row:
 def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     import torch
 
-    from harnessrl.services.trainer.config import TrainerSection
+    from harnessrl.services.trainer.config import LoraSection, TrainerSection
     from harnessrl.services.trainer.policy import Policy, device_for
 
     size = SIZES[args.model_size]
@@ -207,6 +230,7 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, A
     device = device_for(args.device)
     if args.model_size == "0.5b" and device.type != "cuda":
         raise CliError("--model-size 0.5b needs CUDA (training 0.5B params on CPU is not a bench)")
+    lora = LoraSection(rank=args.lora_rank) if args.lora else None
     log(f"device {device}, {torch.get_num_threads()} threads, model size {args.model_size}")
     with model_directory(args) as model_dir:
         settings = TrainerSection(
@@ -215,18 +239,21 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, A
             micro_batch_tokens=micro_batch_tokens,
             lr=1e-5,
             seed=args.seed,
+            lora=lora,
         )
         policy = Policy.load(settings)
         bare = Bare(model_dir, device, settings)
-    params = sum(p.numel() for p in policy.model.parameters())
-    log(f"{params:,} parameters, vocab {bare.vocab}, lengths {lengths[0]}-{lengths[1]}")
+    params = sum(p.numel() for p in policy.model.parameters() if not _is_adapter(p, lora))
+    trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
+    log(f"{params:,} parameters ({trainable:,} trained), vocab {bare.vocab}")
     rows = alternate(policy, bare, args, lengths, log)[1:]  # the first is a warm-up
 
     def median(key: Callable[[Row], float]) -> float:
         return statistics.median(key(r) for r in rows)
 
     tokens_per_s = median(lambda r: r.tokens / r.trainer)
-    flops = 6.0 * params * tokens_per_s
+    # A frozen base computes no weight gradients: 4N per token (forward 2N, input grads 2N).
+    flops = (6.0 if lora is None else 4.0) * params * tokens_per_s
     mfu = flops / (args.peak_tflops * 1e12) if device.type == "cuda" else None
     return {
         "trainer_step_s": round(median(lambda r: r.trainer), 5),
@@ -239,6 +266,11 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, A
         "threads": torch.get_num_threads(),
         "model_size": args.model_size,
         "model_params": params,
+        "trained_params": trainable,
+        "lora_rank": None if lora is None else lora.rank,
+        "peak_cuda_bytes": (
+            int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+        ),
         "mfu": None if mfu is None else round(mfu, 4),
         "achieved_tflops": round(flops / 1e12, 4),
         "peak_tflops": args.peak_tflops if mfu is not None else None,
@@ -251,6 +283,10 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, A
         "samples_per_batch": args.samples,
         "seed": args.seed,
     }
+
+
+def _is_adapter(parameter: Any, lora: Any) -> bool:
+    return lora is not None and parameter.requires_grad
 
 
 def alternate(

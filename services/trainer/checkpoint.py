@@ -2,13 +2,17 @@
 
 One checkpoint is the directory `root/step-<step:08d>/`:
 
-    model.safetensors (+ config.json, generation_config.json, tokenizer files)
-                    for a transformers model, the directory loads with `from_pretrained`,
-                    so the trainer and the inference engines can start from it
-    optimizer.pt    {"optimizer": state dict, "scheduler": state dict or None}
+    dcp/, scheduler.pt
+                    model and optimizer state, sharded per rank (torch.distributed.checkpoint;
+                    resumable at any world size), and the LR scheduler (tensors.py)
+    model*.safetensors (+ config.json, generation_config.json, tokenizer files)
+                    the exported model: the directory loads with `from_pretrained`, so the
+                    trainer and the inference engines (vLLM too) can start from it
     rng.pt          python `random`, numpy, torch CPU and CUDA generator states
-    state.json      step, policy version, consumed offsets, extra, sample id count
-    samples.txt     the trained sample ids, one per line (UTF-8)
+    state.json      step, policy version, the ledger's horizon, extra, sample count
+    samples.txt     the trained samples the ledger remembers, one per line (UTF-8):
+                    "<policy_version_min>\t<sample id>"; bounded by max_staleness, not
+                    by the samples ever trained (ledger.py)
     COMPLETE        written last
 
 Atomicity: everything is written into a temporary directory in `root` (same filesystem),
@@ -27,27 +31,24 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_model
 
 from harnessrl.logs import get_logger
+from harnessrl.services.trainer.ledger import LedgerState
 
 log = get_logger(__name__)
 
 COMPLETE = "COMPLETE"
 STATE = "state.json"
 SAMPLES = "samples.txt"
-OPTIMIZER = "optimizer.pt"
 RNG = "rng.pt"
-WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"  # written by save_pretrained when sharded
-FORMAT = 1  # bump when the layout changes; load() refuses formats it does not know
+FORMAT = 3  # bump when the layout changes; load() refuses formats it does not know
 
 _STEP_DIR = re.compile(r"step-(\d{8,})")
 _TMP_PREFIX = ".tmp-"
@@ -59,17 +60,8 @@ class TrainerState:
 
     step: int  # optimizer steps taken
     policy_version: int  # version of the weights in this checkpoint
-    trained_sample_ids: frozenset[str]  # every sample id trained on so far
-    offsets: Mapping[str, int]  # consumed offsets: "topic:partition" -> next offset to read
+    ledger: LedgerState  # the trained samples a re-delivery could still bring back
     extra: Mapping[str, Any] = field(default_factory=dict)  # JSON-able (config hash, ...)
-
-
-class Stateful(Protocol):
-    """An LR scheduler, or anything else with a torch-style state dict."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 class Checkpoints:
@@ -84,9 +76,7 @@ class Checkpoints:
 
     def save(
         self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Stateful | None,
+        write: Callable[[Path], None],
         state: TrainerState,
         *,
         tokenizer: Any | None = None,
@@ -94,8 +84,9 @@ class Checkpoints:
         """Writes checkpoint `root/step-<state.step:08d>` atomically, then prunes to the
         newest `keep` complete checkpoints; returns the checkpoint's path.
 
-        The model is saved with `save_pretrained` when it has one (with `tokenizer`'s files,
-        if given, the directory is a loadable model directory), else as a safetensors file.
+        `write(directory)` puts the tensors into the (temporary) directory: the training
+        state and the exported model (tensors.save, through Policy.save_tensors on every
+        rank); with `tokenizer`'s files the directory is a loadable model directory.
         Raises ValueError for a state that cannot be stored (negative step, a sample id
         with a newline, non-JSON `extra`) before writing anything; FileExistsError if a
         checkpoint for this step exists; OSError from the filesystem. On any error the
@@ -109,18 +100,11 @@ class Checkpoints:
             raise FileExistsError(f"a checkpoint for step {state.step} exists: {final}")
         tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{final.name}-", dir=self.root))
         try:
-            _save_model(model, tmp)
+            write(tmp)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
-            torch.save(
-                {
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": None if scheduler is None else scheduler.state_dict(),
-                },
-                tmp / OPTIMIZER,
-            )
             torch.save(_rng_state(), tmp / RNG)
-            _write_ids(tmp / SAMPLES, state.trained_sample_ids)
+            _write_samples(tmp / SAMPLES, state.ledger.trained)
             (tmp / STATE).write_text(state_json, encoding="utf-8")
             _fsync_tree(tmp)
             (tmp / COMPLETE).write_text(f"{state.step}\n", encoding="utf-8")
@@ -137,7 +121,7 @@ class Checkpoints:
             step=state.step,
             policy_version=state.policy_version,
             path=str(final),
-            samples=len(state.trained_sample_ids),
+            samples=len(state.ledger.trained),
             pruned=pruned,
             seconds=round(time.monotonic() - started, 3),
         )
@@ -150,37 +134,22 @@ class Checkpoints:
         return complete[-1][1] if complete else None
 
     def load(
-        self,
-        path: Path,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Stateful | None = None,
-        *,
-        restore_rng: bool = True,
+        self, path: Path, read: Callable[[Path], None], *, restore_rng: bool = True
     ) -> TrainerState:
-        """Loads checkpoint `path` into the existing model (strictly: every key matches;
-        weights tied to a loaded one may be absent), optimizer and scheduler, restores the
-        RNG states if `restore_rng`, and returns the stored TrainerState.
+        """Loads checkpoint `path`: `read(path)` restores the tensors (tensors.load, through
+        Policy.load_tensors on every rank), the RNG states are restored if `restore_rng`,
+        and the stored TrainerState is returned.
 
-        Raises ValueError if `path` is not a complete checkpoint of a known format, if
-        its sample ids do not match the count in state.json, or if `scheduler` is given
-        but none was saved (a saved scheduler state with `scheduler=None` is ignored);
-        RuntimeError if the weights do not match the model. After an error the model,
-        optimizer and scheduler may be partly loaded.
+        Raises ValueError if `path` is not a complete checkpoint of a known format, or if
+        its samples do not match the count in state.json; whatever `read` raises (a
+        model that does not match the weights). After an error the model and optimizer
+        may be partly loaded.
         """
         path = Path(path)
         if not (path / COMPLETE).is_file():
             raise ValueError(f"not a complete checkpoint (no {COMPLETE}): {path}")
         state = _read_state(path)
-        _load_model(model, path)
-        # Optimizer and scheduler state dicts are plain tensors and containers, so
-        # weights_only holds; the optimizer moves its state to its parameters' devices.
-        saved = torch.load(path / OPTIMIZER, map_location="cpu", weights_only=True)
-        optimizer.load_state_dict(saved["optimizer"])
-        if scheduler is not None:
-            if saved["scheduler"] is None:
-                raise ValueError(f"checkpoint {path} has no scheduler state to load")
-            scheduler.load_state_dict(saved["scheduler"])
+        read(path)
         if restore_rng:
             _restore_rng(torch.load(path / RNG, map_location="cpu", weights_only=True))
         log.info("checkpoint loaded", step=state.step, path=str(path))
@@ -220,18 +189,18 @@ class Checkpoints:
 def _encode_state(state: TrainerState) -> str:
     if state.step < 0:
         raise ValueError(f"step must be non-negative, got {state.step}")
-    if any("\n" in sample_id for sample_id in state.trained_sample_ids):
-        raise ValueError("trained_sample_ids: a sample id contains a newline")
-    for key, offset in state.offsets.items():
-        if not isinstance(offset, int):
-            raise ValueError(f"offsets[{key!r}]: must be an int, got {offset!r}")
+    for sample_id, version_min in state.ledger.trained.items():
+        if "\n" in sample_id:
+            raise ValueError(f"ledger.trained: sample id {sample_id!r} contains a newline")
+        if not isinstance(version_min, int):
+            raise ValueError(f"ledger.trained[{sample_id!r}]: must be an int, got {version_min!r}")
     document = {
         "format": FORMAT,
         "step": state.step,
         "policy_version": state.policy_version,
-        "offsets": dict(state.offsets),
+        "horizon": state.ledger.horizon,
         "extra": dict(state.extra),
-        "sample_count": len(state.trained_sample_ids),
+        "sample_count": len(state.ledger.trained),
     }
     try:
         return json.dumps(document, indent=2, allow_nan=False) + "\n"
@@ -244,69 +213,27 @@ def _read_state(path: Path) -> TrainerState:
     if document.get("format") != FORMAT:
         raise ValueError(f"{path / STATE}: unknown format {document.get('format')!r}")
     data = (path / SAMPLES).read_bytes().decode("utf-8")
-    ids = data.split("\n")[:-1]  # each id ends with "\n"; no splitlines(): ids may hold "\r"
-    if len(ids) != document["sample_count"] or len(set(ids)) != len(ids):
+    lines = data.split("\n")[:-1]  # each ends with "\n"; no splitlines(): ids may hold "\r"
+    trained = {}
+    for line in lines:
+        version_min, sample_id = line.split("\t", 1)  # an id may hold tabs, the number none
+        trained[sample_id] = int(version_min)
+    if len(lines) != document["sample_count"] or len(trained) != len(lines):
         raise ValueError(
-            f"{path / SAMPLES}: {len(ids)} ids ({len(set(ids))} distinct), "
+            f"{path / SAMPLES}: {len(lines)} samples ({len(trained)} distinct), "
             f"state.json says {document['sample_count']}"
         )
     return TrainerState(
         step=int(document["step"]),
         policy_version=int(document["policy_version"]),
-        trained_sample_ids=frozenset(ids),
-        offsets={str(k): int(v) for k, v in document["offsets"].items()},
+        ledger=LedgerState(trained, horizon=int(document["horizon"])),
         extra=document["extra"],
     )
 
 
-def _write_ids(path: Path, ids: Iterable[str]) -> None:
+def _write_samples(path: Path, trained: Mapping[str, int]) -> None:
     with path.open("w", encoding="utf-8", newline="\n") as f:
-        f.writelines(f"{sample_id}\n" for sample_id in ids)
-
-
-def _save_model(model: torch.nn.Module, directory: Path) -> None:
-    save_pretrained = getattr(model, "save_pretrained", None)
-    if callable(save_pretrained):
-        # transformers 5 always writes safetensors (its `safe_serialization` flag is gone;
-        # passing it is silently swallowed by **kwargs), with config.json beside it.
-        save_pretrained(directory)
-    else:
-        # save_model, not save_file(state_dict()): it drops aliases of shared tensors,
-        # which save_file refuses.
-        save_model(model, str(directory / WEIGHTS))
-
-
-def _load_model(model: torch.nn.Module, directory: Path) -> None:
-    index = directory / WEIGHTS_INDEX
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-    else:
-        files = [WEIGHTS]
-    loaded: set[str] = set()
-    unexpected: list[str] = []
-    for name in files:
-        shard = load_file(directory / name)  # on CPU; load_state_dict copies to the params
-        unexpected += model.load_state_dict(shard, strict=False).unexpected_keys
-        loaded.update(shard)
-    missing = _unaliased(model, loaded)
-    if missing or unexpected:
-        raise RuntimeError(
-            f"checkpoint {directory} does not match the model: "
-            f"missing {missing[:10]} ({len(missing)}), "
-            f"unexpected {sorted(unexpected)[:10]} ({len(unexpected)})"
-        )
-
-
-def _unaliased(model: torch.nn.Module, loaded: set[str]) -> list[str]:
-    """The model's state keys that were not loaded and share no storage with a loaded key
-    (tied weights, such as lm_head tied to the embeddings, are saved once)."""
-
-    def where(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
-        return (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape))
-
-    tensors = model.state_dict()
-    filled = {where(tensors[k]) for k in loaded if k in tensors}
-    return sorted(k for k, t in tensors.items() if k not in loaded and where(t) not in filled)
+        f.writelines(f"{version_min}\t{sample_id}\n" for sample_id, version_min in trained.items())
 
 
 def _rng_state() -> dict[str, Any]:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Any
 
-from harnessrl.cli.common import CliError, add_kafka_options, load
+from harnessrl.cli.common import CliError, add_config_option, add_kafka_options, load
 
 
 def register(commands: Any) -> None:
@@ -35,6 +36,95 @@ def register(commands: Any) -> None:
     )
     add_kafka_options(parser)
     parser.set_defaults(run=run)
+    # Without a sub-command `harnessrl trainer [flags]` runs the service, as it always did.
+    _register_plan(parser.add_subparsers(title="sub-commands (none: run the trainer)"))
+
+
+def _register_plan(commands: Any) -> None:
+    parser = commands.add_parser(
+        "plan",
+        help="per-rank memory of a model and trainer configuration, and whether it fits",
+        description="Count the model's parameters (built on the meta device: no weights "
+        "are read) and estimate the memory per rank of training it: weights, gradients, "
+        "AdamW state, FSDP's gathered parameters, activations with and without gradient "
+        "checkpointing, the logits, and the total against the GPU's memory less headroom "
+        "for the CUDA context and the allocator.",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="DIR_OR_CONFIG",
+        help="model directory or its config.json (default: trainer.model)",
+    )
+    parser.add_argument(
+        "--gpus", type=int, required=True, metavar="N", help="ranks (torchrun processes)"
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        type=float,
+        metavar="GIB",
+        help="memory per GPU in GiB (default: trainer.gpu_memory_gib, else this machine's "
+        "GPU, else no verdict)",
+    )
+    parser.add_argument(
+        "--lora", action="store_true", help="train LoRA adapters (trainer.lora; defaults)"
+    )
+    parser.add_argument("--lora-rank", type=int, metavar="R", help="adapter rank (implies --lora)")
+    parser.add_argument(
+        "--sharding", choices=("fsdp", "replicate"), help="trainer.sharding.strategy"
+    )
+    parser.add_argument(
+        "--micro-batch-tokens", type=int, metavar="T", help="trainer.micro_batch_tokens"
+    )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="count activations with trainer.gradient_checkpointing on",
+    )
+    add_config_option(parser)
+    parser.add_argument("--json", action="store_true", help="one JSON line (bytes)")
+    parser.set_defaults(run=plan)
+
+
+def plan(args: argparse.Namespace) -> int:
+    """`harnessrl trainer plan`: print the memory plan; exit 0 whatever the verdict."""
+    from harnessrl.services.trainer.config import TrainerConfig
+
+    overrides: dict[str, Any] = {}
+    if args.model:
+        overrides["model"] = args.model
+    if args.micro_batch_tokens is not None:
+        overrides["micro_batch_tokens"] = args.micro_batch_tokens
+    if args.gradient_checkpointing:
+        overrides["gradient_checkpointing"] = True
+    if args.sharding:
+        overrides["sharding"] = {"strategy": args.sharding}
+    if args.lora or args.lora_rank is not None:
+        overrides["lora"] = {} if args.lora_rank is None else {"rank": args.lora_rank}
+    if args.gpus < 1:
+        raise CliError(f"--gpus: must be at least 1, got {args.gpus}")
+    settings = load(TrainerConfig, args, trainer=overrides).trainer
+    from harnessrl.services.trainer import plan as planning
+
+    try:
+        result = planning.plan(settings.model, settings, args.gpus, _gpu_memory(args, settings))
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    text = planning.format_json(result) if args.json else planning.format_plan(result)
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+def _gpu_memory(args: argparse.Namespace, settings: Any) -> int | None:
+    gib = args.gpu_memory if args.gpu_memory is not None else settings.gpu_memory_gib
+    if gib is not None:
+        if gib <= 0:
+            raise CliError(f"--gpu-memory: must be positive, got {gib}")
+        return int(gib * 1024**3)
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,20 +155,25 @@ def _service(config: Any, runtime: Any) -> Any:
 
 
 def _follow(config: Any) -> int:
-    """A non-leader rank: train on each batch the leader shares, until it shares None."""
+    """A non-leader rank: run each command the leader shares (a step, a publication's
+    gathers, a checkpoint's save) until it shares None."""
     from harnessrl.config import secret_values
     from harnessrl.logs import configure_logging
     from harnessrl.services.trainer.checkpoint import Checkpoints
     from harnessrl.services.trainer.policy import Policy
 
     configure_logging("trainer", config.log, secrets=secret_values(config))
+    # torchrun passes SIGTERM and SIGINT to every rank; a follower must stay for the
+    # leader's final checkpoint (a collective) and stop when the leader says so.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     policy = Policy.load(config.trainer)
     checkpoints = Checkpoints(config.trainer.checkpoint_dir, keep=config.trainer.keep_checkpoints)
     latest = checkpoints.latest()
-    if latest is not None:  # the leader resumes from the same one
-        checkpoints.load(latest, policy.model, policy.optimizer, policy.scheduler)
-    while (samples := policy.world.share(None)) is not None:
-        policy.step(samples)
+    if latest is not None:  # the leader resumes from the same one (a collective load)
+        checkpoints.load(latest, policy.load_tensors)
+    while (command := policy.world.share(None)) is not None:
+        policy.follow(command)
     policy.world.close()
     return 0
 

@@ -33,6 +33,12 @@ class TrainerMetrics:
             "harnessrl_trainer_tokens_per_second", "Sequence tokens per second, last step.",
             registry=r,
         )  # fmt: skip
+        self.published_bytes = Gauge(
+            "harnessrl_trainer_published_bytes",
+            "Tensor bytes of the last published version: what one weight sync moves per "
+            "engine (the adapter pairs only under trainer.lora).",
+            registry=r,
+        )
         self.step_seconds = Histogram(
             "harnessrl_trainer_step_seconds",
             "Time of one optimiser step.",

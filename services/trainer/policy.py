@@ -12,17 +12,21 @@ on CUDA the forward runs under bf16 autocast.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from harnessrl.logs import get_logger
+from harnessrl.services.trainer import tensors
 from harnessrl.services.trainer.config import TrainerSection
 from harnessrl.services.trainer.distributed import World
+from harnessrl.services.trainer.lora import adapter_tensors, apply_lora
 from harnessrl.services.trainer.loss import (
     LossSettings,
     LossStats,
@@ -32,11 +36,14 @@ from harnessrl.services.trainer.loss import (
     token_logprobs,
 )
 from harnessrl.services.trainer.packing import (
+    MicroBatch,
     SampleArrays,
     normalization_weights,
     pack,
     padding_fraction,
 )
+from harnessrl.services.trainer.plan import check_fits
+from harnessrl.services.trainer.sharding import full, is_sharded, shard
 
 log = get_logger(__name__)
 
@@ -107,13 +114,19 @@ class Policy:
 
         device = device_for(settings.device)
         world = world or World.from_env(device)
+        check_fits(settings, world.size, device)
         seed_everything(settings.seed)
         loaded = AutoModelForCausalLM.from_pretrained(settings.model, dtype=torch.float32)
+        if settings.lora is not None:  # adapters only, on a frozen base
+            loaded = apply_lora(loaded, settings.lora, device=device)
         if settings.gradient_checkpointing:
             loaded.gradient_checkpointing_enable()  # type: ignore[no-untyped-call]
         model: torch.nn.Module = loaded
         model.to(device)
         model.train()
+        fsdp = world.size > 1 and settings.sharding.strategy == "fsdp"
+        if fsdp:
+            shard(model, settings.sharding, compute_dtype(settings, device))
         reference: torch.nn.Module | None = None
         if settings.loss.kl_coef > 0:
             frozen: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
@@ -121,6 +134,8 @@ class Policy:
             )
             reference = frozen.to(device)
             reference.eval().requires_grad_(False)
+            if fsdp:
+                shard(reference, settings.sharding, compute_dtype(settings, device))
         return cls(settings, model, world, device, reference)
 
     def step(self, samples: list[SampleArrays]) -> StepStats:
@@ -135,7 +150,7 @@ class Policy:
         batches = pack(samples, weights, micro_batch_tokens=settings.micro_batch_tokens)
         stats = LossStats()
         self.optimizer.zero_grad(set_to_none=True)
-        for share in batches[self.world.rank :: self.world.size]:
+        for share in self._share(batches):
             batch = share.to(self.device)
             with self._autocast():
                 logits = self.model(
@@ -151,9 +166,12 @@ class Policy:
             loss.backward()  # type: ignore[no-untyped-call]
             stats.add(micro)
             del logits, logp, loss
-        self.world.sum_gradients(self.model.parameters())
+        if not self.sharded:  # FSDP reduce-scattered them during the backward passes
+            self.world.sum_gradients(self.model.parameters())
         stats = LossStats.from_tensor(self.world.sum(stats.as_tensor().to(self.device)))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), settings.grad_clip)
+        grad_norm = full(
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), settings.grad_clip)
+        )
         lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
         self.scheduler.step()
@@ -174,19 +192,101 @@ class Policy:
             seconds=time.perf_counter() - started,
         )
 
+    @property
+    def sharded(self) -> bool:
+        """The model is split across the ranks (FSDP2): parameters are DTensors."""
+        return is_sharded(self.model)
+
+    def _share(self, batches: list[MicroBatch]) -> list[MicroBatch]:
+        """This rank's micro-batches. Under FSDP every rank must run as many forward and
+        backward passes as the others (each one is a collective), so the short ranks add
+        idle passes: a real row with every weight 0, which adds 0 to gradients and stats."""
+        mine = batches[self.world.rank :: self.world.size]
+        if not self.sharded or not batches:
+            return mine
+        rounds = -(-len(batches) // self.world.size)
+        return mine + [idle(batches[-1])] * (rounds - len(mine))
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
+        """The tensors a version publishes, by name (DTensors when sharded: gather each with
+        `full`, on every rank in the same order, see `gather`); under trainer.lora only the
+        adapter pairs, under PEFT's file names (lora.published_name)."""
+        state = self.model.state_dict()
+        return state if self.settings.lora is None else adapter_tensors(state)
+
+    def gather(self) -> None:
+        """A follower's part of a publication: all-gather every published tensor, in
+        `state_dict()` order, alongside the leader (which copies them as they come)."""
+        for tensor in self.state_dict().values():
+            full(tensor)
+
+    def follow(self, command: tuple[str, Any]) -> None:
+        """Run a command the leader shared (see `everywhere`) on a follower rank."""
+        name, argument = command
+        if name not in _COMMANDS:
+            raise ValueError(f"unknown trainer command {name!r}")
+        getattr(self, name)(*argument)
+
+    def everywhere(self, name: str, *argument: Any) -> Any:
+        """Leader: run method `name(*argument)` on every rank (followers first hear of it
+        through `World.share`, then all run it together); returns the leader's result."""
+        if self.world.size > 1:
+            self.world.share((name, argument))
+        return getattr(self, name)(*argument)
+
+    def save_tensors(self, directory: Path) -> None:
+        """Collective: write the model's and optimizer's state (this rank's shards) under
+        `directory`/dcp, and on the leader the scheduler and an exported model directory
+        (`directory` itself loads with `from_pretrained`). See checkpoint.py."""
+        tensors.save(self.model, self.optimizer, self.scheduler, directory, self.world)
+
+    def load_tensors(self, directory: Path) -> None:
+        """Collective: restore what `save_tensors` wrote, at any world size."""
+        tensors.load(self.model, self.optimizer, self.scheduler, directory)
 
     def _autocast(self) -> Any:
-        dtype = self.settings.dtype
-        if dtype == "bfloat16" or (dtype == "auto" and self.device.type == "cuda"):
+        if compute_dtype(self.settings, self.device) == torch.bfloat16:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
 
+_COMMANDS = frozenset({"step", "gather", "save_tensors", "load_tensors"})
+
+
+def compute_dtype(settings: TrainerSection, device: torch.device) -> torch.dtype:
+    """What the forward runs in: bf16 for dtype bfloat16, or auto on CUDA; else float32."""
+    dtype = settings.dtype
+    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def idle(batch: MicroBatch) -> MicroBatch:
+    """One row of `batch` that trains nothing: no loss mask, weight 0."""
+    row = slice(0, 1)
+    return replace(
+        batch,
+        input_ids=batch.input_ids[row],
+        attention_mask=batch.attention_mask[row],
+        loss_mask=torch.zeros_like(batch.loss_mask[row]),
+        behavior=torch.zeros_like(batch.behavior[row]),
+        advantages=torch.zeros_like(batch.advantages[row]),
+        weights=torch.zeros_like(batch.weights[row]),
+        temperature=batch.temperature[row],
+        sample_ids=(),
+    )
+
+
 def device_for(choice: str) -> torch.device:
+    """The device `choice` names. Under torchrun each rank takes the GPU of its LOCAL_RANK
+    (made current, so NCCL and every later allocation use it), never all of them GPU 0."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        if not torch.cuda.is_available():
+            return torch.device("cuda", 0)  # fails, with torch's own message, on first use
+        local = os.environ.get("LOCAL_RANK")
+        if local is not None:
+            torch.cuda.set_device(int(local))
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 

@@ -6,8 +6,8 @@ WeightSync server alive. After a step the new weights are served over WeightSync
 announced as PolicyVersion; in sync mode the gateways are paused around the swap until the
 engines report PolicyLoaded. A GroupSamples record stays uncommitted until a checkpoint
 holds the step that trained it: a crash resumes from the newest checkpoint, the records
-after it are re-delivered, and the sample ids stored in the checkpoint are skipped — no
-sample is trained twice, none is skipped.
+after it are re-delivered, and the delivery ledger stored in the checkpoint (ledger.py)
+skips what its weights hold — no sample is trained twice, none is skipped.
 """
 
 from __future__ import annotations
@@ -39,10 +39,13 @@ from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
 from harnessrl.services.trainer.config import TrainerConfig
 from harnessrl.services.trainer.distributed import World
 from harnessrl.services.trainer.journal import StepJournal
+from harnessrl.services.trainer.ledger import Ledger
+from harnessrl.services.trainer.lora import adapter_spec
 from harnessrl.services.trainer.metrics import TrainerMetrics
 from harnessrl.services.trainer.policy import Policy, StepStats
 from harnessrl.services.trainer.swap import EngineWatch
 from harnessrl.v1 import events_pb2 as pb
+from harnessrl.v1 import weights_pb2 as weights_pb
 from harnessrl.weights import WeightSyncServer
 
 log = get_logger(__name__)
@@ -65,17 +68,13 @@ class TrainerService:
             batch_tokens=self._settings.batch_tokens,
             max_staleness=self._settings.max_staleness,
         )
-        self._trained: set[str] = set()
-        self._holds: dict[str, list[Hold]] = {}
-        """Records of pending groups, by group id: released only by a checkpoint."""
-        self._unsaved: list[Hold] = []
-        """Records trained on since the last checkpoint."""
-        self._unsaved_ids: set[str] = set()
-        """Sample ids trained on since the last checkpoint."""
-        self._offsets: dict[str, int] = {}
+        self._ledger: Ledger[Hold] = Ledger(max_staleness=self._settings.max_staleness)
+        """What was offered, trained and checkpointed; holds records until a checkpoint."""
         self.step = 0
         self.version = 0
         self._tokenizer: Any = None
+        self._adapter: weights_pb.LoraAdapter | None = None
+        """What every published version says of its adapters (trainer.lora), else None."""
         self._due = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
@@ -163,13 +162,20 @@ class TrainerService:
 
         policy = Policy.load(self._settings, self._world)
         self._tokenizer = AutoTokenizer.from_pretrained(self._settings.model)
+        if self._settings.lora is not None:
+            self._adapter = adapter_spec(
+                self._settings.lora,
+                self._settings.model,
+                algorithm=self._settings.weightsync.checksum,
+            )
         self._checkpoints.cleanup_partial()
         latest = self._checkpoints.latest()
         if latest is not None:
-            state = self._checkpoints.load(latest, policy.model, policy.optimizer, policy.scheduler)
+            state = self._checkpoints.load(
+                latest, lambda path: policy.everywhere("load_tensors", path)
+            )
             self.step, self.version = state.step, state.policy_version
-            self._trained = set(state.trained_sample_ids)
-            self._offsets = dict(state.offsets)
+            self._ledger.restore(state.ledger)
             log.info("resumed from checkpoint", path=str(latest), step=self.step)
         return policy
 
@@ -201,19 +207,14 @@ class TrainerService:
         assert self._policy is not None  # loaded before consuming
         _check_token_ids(group, self._policy.vocab_size)
         await self._room.wait()  # backpressure: at most two batches pending
-        pending = self._batcher.pending_ids()
-        added = self._batcher.add(group, version=self.version, trained=self._trained)
+        ledger = self._ledger
+        taken = self._batcher.add(
+            group, version=self.version, trained=ledger.known, horizon=ledger.horizon
+        )
         self._count_dropped()
-        ids = {s.sample_id for s in group.samples}
-        # The record is acknowledged only once a checkpoint holds all of its samples — also
-        # when it is a re-delivery (after a rebalance) of samples pending or trained since
-        # the last checkpoint: acknowledging it now would lose them in a crash.
-        if added or ids & pending:
-            self._holds.setdefault(group.group_id, []).append(ctx.hold())
-        elif ids & self._unsaved_ids:
-            self._unsaved.append(ctx.hold())
-        key = f"{record.topic}:{record.partition}"
-        self._offsets[key] = max(self._offsets.get(key, 0), record.offset + 1)
+        # Acknowledged only once a checkpoint holds its samples, also for a re-delivery of
+        # samples not checkpointed yet: acknowledging it now would lose them in a crash.
+        ledger.offer(group.samples, taken=taken, hold=ctx.hold)
         if self._batcher.due:
             self._due.set()
             if self._batcher.pending_groups >= 2 * self._settings.batch_groups:
@@ -238,8 +239,7 @@ class TrainerService:
                 continue
             batch = self._batcher.take(self.version)
             self._count_dropped()
-            for group in batch.groups:
-                self._unsaved.extend(self._holds.pop(group.group_id, []))
+            self._ledger.take((s.sample_id for s in batch.samples), stale=batch.stale)
             if self._batcher.pending_groups < 2 * settings.batch_groups:
                 self._room.set()
             if not batch.samples:  # all of it grew stale while it waited
@@ -249,8 +249,7 @@ class TrainerService:
             stats = await self._step(batch)
             self.step += 1
             self.version += 1
-            self._trained.update(s.sample_id for s in batch.samples)
-            self._unsaved_ids.update(s.sample_id for s in batch.samples)
+            self._ledger.trained(self.version)
             assert self._journal is not None
             self._journal.record(self.step, self.version, (s.sample_id for s in batch.samples))
             checkpoint = ""
@@ -291,7 +290,7 @@ class TrainerService:
 
     async def _step(self, batch: Batch) -> StepStats:
         assert self._policy is not None
-        policy, world = self._policy, self._world
+        policy = self._policy
         for sample in batch.samples:
             self.metrics.staleness.observe(self.version - sample.policy_version_min)
         links = [_link(g) for g in batch.groups if g.span_id and g.trace_id]
@@ -301,7 +300,7 @@ class TrainerService:
             span.set_attribute("harnessrl.groups", len(batch.groups))
 
             def run() -> StepStats:
-                return policy.step(world.share(batch.samples))
+                return policy.everywhere("step", batch.samples)  # type: ignore[no-any-return]
 
             stats = await asyncio.to_thread(run)
             span.set_attribute("harnessrl.loss", stats.loss)
@@ -311,30 +310,34 @@ class TrainerService:
         """Save a checkpoint of everything trained so far, then acknowledge its records."""
         assert self._policy is not None
         policy = self._policy
-        state = TrainerState(
-            step=self.step,
-            policy_version=self.version,
-            trained_sample_ids=frozenset(self._trained),
-            offsets=dict(self._offsets),
-        )
+        snapshot = self._ledger.snapshot(self.version)
+        state = TrainerState(step=self.step, policy_version=self.version, ledger=snapshot.state)
         path = await asyncio.to_thread(
             self._checkpoints.save,
-            policy.model,
-            policy.optimizer,
-            policy.scheduler,
+            lambda directory: policy.everywhere("save_tensors", directory),
             state,
             tokenizer=self._tokenizer,
         )
-        for hold in self._unsaved:
+        for hold in self._ledger.checkpointed(snapshot):
             hold.release()
-        self._unsaved = []
-        self._unsaved_ids.clear()
-        log.info("checkpoint saved", path=str(path), step=self.step)
+        log.info(
+            "checkpoint saved",
+            path=str(path),
+            step=self.step,
+            remembered=len(self._ledger),
+            held=self._ledger.held,  # records a crash now would re-deliver
+        )
         return path.resolve().as_uri()
 
     async def _announce(self, server: WeightSyncServer, checkpoint: str) -> None:
         assert self._policy is not None and self._producer is not None
-        manifest = await server.publish(self.version, self.step, self._policy.state_dict())
+        policy = self._policy
+        if policy.sharded:  # the followers all-gather each tensor as the server copies it
+            await asyncio.to_thread(policy.world.share, ("gather", ()))
+        manifest = await server.publish(
+            self.version, self.step, policy.state_dict(), adapter=self._adapter
+        )
+        self.metrics.published_bytes.set(manifest.total_bytes)
         await self._producer.publish(
             pb.PolicyVersion(
                 version=self.version,
@@ -353,7 +356,7 @@ class TrainerService:
         checkpoint what is unsaved, and release its records before the consumer commits."""
         self._due.set()
         await asyncio.gather(training, return_exceptions=True)
-        if self._unsaved:
+        if self._ledger.unsaved:
             await self._checkpoint()
         if self._world.size > 1:
             await asyncio.to_thread(self._world.share, None)  # followers: stop

@@ -4,6 +4,7 @@ its JSON line. Timings are not asserted (they belong to the benchmark's output).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +72,38 @@ def test_bench_trainer_refuses_a_run_it_cannot_measure(
 ) -> None:
     assert main(["bench", "trainer", "--json", *SMALL, *extra]) == 2
     assert reason in capsys.readouterr().err
+
+
+def test_bench_trainer_trains_lora_adapters_on_a_model_built_from_a_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import Qwen3Config
+
+    Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+    ).save_pretrained(tmp_path)
+    argv = ["bench", "trainer", "--json", *SMALL, "--model-config", str(tmp_path), "--lora"]
+    assert main([*argv, "--lora-rank", "4"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    # 2 layers x 7 projections, rank 4: r * (in + out) each
+    per_layer = 4 * ((64 + 64) + (64 + 32) * 2 + (64 + 64) + (64 + 128) * 2 + (128 + 64))
+    assert result["trained_params"] == 2 * per_layer
+    assert result["lora_rank"] == 4
+    assert result["model_params"] > result["trained_params"]
+
+
+def test_bench_trainer_sharded_halves_the_state_per_rank_and_changes_no_weight(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "trainer", "--json", "--sharded", *SMALL]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["ranks"] == 2
+    single, per_rank = result["single_state_bytes"], result["sharded_state_bytes_per_rank"]
+    assert all(0.45 * single <= b <= 0.55 * single for b in per_rank)
+    assert result["max_abs_diff"] <= 1e-5

@@ -18,8 +18,9 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from harnessrl.services.trainer import checkpoint
+from harnessrl.services.trainer import checkpoint, tensors
 from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
+from harnessrl.services.trainer.ledger import LedgerState
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-model"
 INPUT = torch.tensor([[5, 17, 42, 99, 7, 300]])
@@ -32,22 +33,24 @@ SAVER = """
 import os, signal, sys
 from pathlib import Path
 import torch
+from harnessrl.services.trainer import tensors
 from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
+from harnessrl.services.trainer.ledger import LedgerState
 
 ckpts = Checkpoints(Path(sys.argv[1]), keep=2)
 ckpts.cleanup_partial()
 model = torch.nn.Linear(64, 64)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 latest = ckpts.latest()
-step = ckpts.load(latest, model, optimizer).step if latest else 0
+step = ckpts.load(latest, tensors.reader(model, optimizer)).step if latest else 0
 while True:
     step += 1
     with torch.no_grad():
         model.weight.fill_(step)
         model.bias.fill_(-step)
-    ids = frozenset(f"ep-{i}/0/0" for i in range(step * 3))
-    state = TrainerState(step, step, ids, {"hrl.samples:0": step * 3}, {"run": "crash"})
-    ckpts.save(model, optimizer, None, state)
+    trained = {f"ep-{i}/0/0": i for i in range(step * 3)}
+    state = TrainerState(step, step, LedgerState(trained, horizon=step), {"run": "crash"})
+    ckpts.save(tensors.writer(model, optimizer), state)
     print(step, flush=True)
     if sys.argv[2] == "die-at-rename":
         os.rename = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
@@ -82,13 +85,13 @@ def _reap(proc: subprocess.Popen[str]) -> int:
 
 
 def _linear_state(step: int) -> TrainerState:
-    return TrainerState(step, step, frozenset({f"s{step}"}), {"hrl.samples:0": step})
+    return TrainerState(step, step, LedgerState({f"s{step}": step}))
 
 
 def _save_linear(ckpts: Checkpoints, step: int) -> Path:
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return ckpts.save(model, optimizer, None, _linear_state(step))
+    return ckpts.save(tensors.writer(model, optimizer), _linear_state(step))
 
 
 def _trained_tiny() -> tuple[PreTrainedModel, torch.optim.AdamW, LambdaLR]:
@@ -114,8 +117,7 @@ def test_round_trip_restores_weights_optimizer_state_rng_and_delivery_state(
     state = TrainerState(
         step=1,
         policy_version=7,
-        trained_sample_ids=frozenset({"ep-1/0/0", "ep-2/1/3", "odd\rid", ""}),
-        offsets={"hrl.samples:0": 12, "hrl.samples:2": 5},
+        ledger=LedgerState({"ep-1/0/0": 5, "ep-2/1/3": 7, "odd\rid": 6, "tab\tid": 5, "": 7}, 5),
         extra={"config_hash": "abc123", "tokens_seen": 6},
     )
     ckpts = Checkpoints(tmp_path / "ckpt")
@@ -123,7 +125,9 @@ def test_round_trip_restores_weights_optimizer_state_rng_and_delivery_state(
     np.random.seed(2)
     torch.manual_seed(3)
     path = ckpts.save(
-        model, optimizer, scheduler, state, tokenizer=AutoTokenizer.from_pretrained(TINY)
+        tensors.writer(model, optimizer, scheduler),
+        state,
+        tokenizer=AutoTokenizer.from_pretrained(TINY),
     )
     after_save = _draws()
 
@@ -135,7 +139,7 @@ def test_round_trip_restores_weights_optimizer_state_rng_and_delivery_state(
     np.random.seed(20)
     torch.manual_seed(30)
 
-    loaded = ckpts.load(path, fresh, fresh_optimizer, fresh_scheduler)
+    loaded = ckpts.load(path, tensors.reader(fresh, fresh_optimizer, fresh_scheduler))
 
     assert ckpts.latest() == path
     assert loaded == state
@@ -174,9 +178,9 @@ def test_round_trip_of_a_plain_module_with_tied_weights(tmp_path: Path) -> None:
 
     model, fresh = Tied(), Tied()
     ckpts = Checkpoints(tmp_path)
-    path = ckpts.save(model, torch.optim.SGD(model.parameters()), None, _linear_state(3))
+    path = ckpts.save(tensors.writer(model, torch.optim.SGD(model.parameters())), _linear_state(3))
 
-    ckpts.load(path, fresh, torch.optim.SGD(fresh.parameters()), restore_rng=False)
+    ckpts.load(path, tensors.reader(fresh, torch.optim.SGD(fresh.parameters())), restore_rng=False)
 
     assert torch.equal(fresh.embed.weight, model.embed.weight)
     assert fresh.head.weight is fresh.embed.weight
@@ -200,7 +204,7 @@ def test_failed_save_leaves_previous_checkpoint_latest_and_no_debris(
     assert ckpts.latest() == first
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
     model = torch.nn.Linear(4, 4)
-    assert ckpts.load(first, model, torch.optim.SGD(model.parameters())).step == 1
+    assert ckpts.load(first, tensors.reader(model, torch.optim.SGD(model.parameters()))).step == 1
 
 
 def test_crash_at_rename_keeps_previous_latest_and_cleanup_removes_temp_dir(
@@ -246,11 +250,11 @@ def _check_resumable(root: Path, previous_step: int) -> int:
     latest = ckpts.latest()
     assert latest is not None
     model = torch.nn.Linear(64, 64)
-    state = ckpts.load(latest, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    state = ckpts.load(latest, tensors.reader(model, torch.optim.SGD(model.parameters(), lr=0.1)))
     assert state.step > previous_step  # resumed from the last run's checkpoint, then saved
     assert torch.all(model.weight == state.step) and torch.all(model.bias == -state.step)
-    assert state.trained_sample_ids == {f"ep-{i}/0/0" for i in range(state.step * 3)}
-    assert state.offsets == {"hrl.samples:0": state.step * 3}
+    trained = {f"ep-{i}/0/0": i for i in range(state.step * 3)}
+    assert state.ledger == LedgerState(trained, horizon=state.step)
     ckpts.cleanup_partial()
     assert all(p.name.startswith("step-") for p in root.iterdir())
     return state.step
@@ -266,7 +270,7 @@ def test_latest_ignores_a_step_dir_without_complete_marker(tmp_path: Path) -> No
     assert ckpts.latest() == first
     model = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match="not a complete checkpoint"):
-        ckpts.load(torn, model, torch.optim.SGD(model.parameters()))
+        ckpts.load(torn, tensors.reader(model, torch.optim.SGD(model.parameters())))
 
 
 def test_pruning_keeps_the_newest_checkpoints(tmp_path: Path) -> None:
@@ -288,10 +292,10 @@ def test_save_refuses_an_existing_step(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("state", "field"),
     [
-        (TrainerState(1, 1, frozenset({"a\nb"}), {}), "trained_sample_ids"),
-        (TrainerState(1, 1, frozenset(), {}, {"x": object()}), "extra"),
-        (TrainerState(1, 1, frozenset(), {}, {"x": float("nan")}), "extra"),
-        (TrainerState(-1, 1, frozenset(), {}), "step"),
+        (TrainerState(1, 1, LedgerState({"a\nb": 0})), "ledger.trained"),
+        (TrainerState(1, 1, LedgerState({}), {"x": object()}), "extra"),
+        (TrainerState(1, 1, LedgerState({}), {"x": float("nan")}), "extra"),
+        (TrainerState(-1, 1, LedgerState({})), "step"),
     ],
 )
 def test_save_rejects_an_unstorable_state_before_writing(
@@ -299,7 +303,9 @@ def test_save_rejects_an_unstorable_state_before_writing(
 ) -> None:
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match=field):
-        Checkpoints(tmp_path / "ckpt").save(model, torch.optim.SGD(model.parameters()), None, state)
+        Checkpoints(tmp_path / "ckpt").save(
+            tensors.writer(model, torch.optim.SGD(model.parameters())), state
+        )
     assert not (tmp_path / "ckpt").exists()
 
 
@@ -308,12 +314,12 @@ def test_load_is_strict_about_weights_and_scheduler(tmp_path: Path) -> None:
     path = _save_linear(ckpts, 1)
     other = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(RuntimeError, match="does not match the model"):
-        ckpts.load(path, other, torch.optim.SGD(other.parameters()))
+        ckpts.load(path, tensors.reader(other, torch.optim.SGD(other.parameters())))
 
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="no scheduler state"):
-        ckpts.load(path, model, optimizer, LambdaLR(optimizer, lambda step: 1.0))
+        ckpts.load(path, tensors.reader(model, optimizer, LambdaLR(optimizer, lambda step: 1.0)))
 
 
 def test_cleanup_partial_without_root_is_a_no_op(tmp_path: Path) -> None:

@@ -111,6 +111,11 @@ def register(commands: Any) -> None:
     samples.add_argument("--calls", type=int, default=8, help="calls per episode (default 8)")
     samples.add_argument("--seed", type=int, default=0, help="seed of the groups (default 0)")
     samples.set_defaults(run=_run_samples)
+    _register_trainer(sub)
+    parser.set_defaults(run=lambda _: parser.print_help() or 2)
+
+
+def _register_trainer(sub: Any) -> None:
     trainer = sub.add_parser(
         "trainer",
         help="trainer optimiser-step time vs a bare PyTorch loop, same batches and model",
@@ -133,6 +138,17 @@ def register(commands: Any) -> None:
         default=Path("examples/tiny-model"),
         help="model directory under --model-size tiny (default examples/tiny-model)",
     )
+    trainer.add_argument(
+        "--model-config",
+        type=Path,
+        default=None,
+        help="instead of --model: a random model of the architecture this config.json (or "
+        "directory holding one) describes, e.g. examples/configs/qwen3-1.5b-shape",
+    )
+    trainer.add_argument(
+        "--lora", action="store_true", help="train LoRA adapters (both sides) on a frozen base"
+    )
+    trainer.add_argument("--lora-rank", type=int, default=16, help="--lora: rank (default 16)")
     trainer.add_argument(
         "--batches",
         type=int,
@@ -162,8 +178,17 @@ def register(commands: Any) -> None:
         help="accelerator peak TFLOPs for MFU (default 989: H100/H200 bf16 dense)",
     )
     trainer.add_argument("--seed", type=int, default=0, help="seed of the batches (default 0)")
+    trainer.add_argument(
+        "--sharded",
+        action="store_true",
+        help="instead: one process vs torchrun --ranks ranks under FSDP2 on --model, same "
+        "steps: state bytes per rank (parameters, gradients, AdamW), peak memory, the "
+        "largest weight difference",
+    )
+    trainer.add_argument(
+        "--ranks", type=int, default=2, help="--sharded: torchrun ranks (default 2)"
+    )
     trainer.set_defaults(run=_run_trainer)
-    parser.set_defaults(run=lambda _: parser.print_help() or 2)
 
 
 def _register_load(sub: Any) -> None:
@@ -274,6 +299,9 @@ def _run_samples(args: argparse.Namespace) -> int:
 
 
 def _run_trainer(args: argparse.Namespace) -> int:
-    from harnessrl.bench import trainer
+    from harnessrl.bench import trainer, trainer_sharded
+
+    if args.sharded:
+        return trainer_sharded.main(args)
 
     return trainer.main(args)
