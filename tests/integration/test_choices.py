@@ -26,7 +26,7 @@ from tests.integration.test_sample_builder import (
     sample_builder,
     samples_on_topic,
 )
-from tests.integration.test_trainer import TINY, trainer
+from tests.integration.test_trainer import TINY, trained_ids, trainer
 
 pytestmark = pytest.mark.integration
 
@@ -77,7 +77,7 @@ async def test_the_choice_the_harness_went_on_with_is_trained_the_other_booked(
             return training.step >= 1
 
         await eventually(stepped, timeout=120, interval=0.5)
-        trained = set(training._trained)
+        trained = trained_ids(tmp_path)
     calls = [c for c in await stack.calls() if c.group_id == GROUP]
     assert sorted((c.episode_id, c.seq) for c in calls) == [
         (f"{GROUP}-{i}", s) for i in range(2) for s in range(3)
@@ -90,9 +90,9 @@ async def test_the_choice_the_harness_went_on_with_is_trained_the_other_booked(
         assert list(sample.call_seqs) == [index, 2]
         mask = list(sample.loss_mask)
         ids = list(sample.token_ids)
-        trained_ids = [t for t, m in zip(ids, mask, strict=True) if m]
+        trained_tokens = [t for t, m in zip(ids, mask, strict=True) if m]
         last = next(c for c in calls if c.episode_id == sample.episode_id and c.seq == 2)
-        assert trained_ids == [*choice, *last.completion_token_ids]
+        assert trained_tokens == [*choice, *last.completion_token_ids]
         assert sample.sample_id in trained  # the trainer stepped on it
     unused = sum(len(other) for _, other in kept)
     books = group.books

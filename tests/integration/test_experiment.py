@@ -54,8 +54,16 @@ async def test_experiment_measures_trains_a_step_measures_again_and_reports(
     out, err = await asyncio.wait_for(process.communicate(), 400)
     assert process.returncode == 0, err.decode()[-4000:]
     summary = json.loads(out.decode().strip().splitlines()[-1])
-    assert set(summary) == {"val_before", "val_after", "episodes", "steps", "minutes"}
+    assert set(summary) == {
+        "val_before",
+        "val_after",
+        "episodes",
+        "steps",
+        "minutes",
+        "published_bytes",
+    }
     assert summary["steps"] == 1
+    assert summary["published_bytes"] > 0  # what the last version's weight sync moved
     assert summary["episodes"] >= 4
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["val_before"]["episodes"] == metrics["val_after"]["episodes"] == 6

@@ -23,7 +23,7 @@ from tests.integration.gateway_stack import running_stack
 from tests.integration.test_controller import _submit, _task, calc_model, controller
 from tests.integration.test_reward import reward_service
 from tests.integration.test_sample_builder import sample_builder
-from tests.integration.test_trainer import trainer
+from tests.integration.test_trainer import trained_ids, trainer
 
 pytestmark = pytest.mark.integration
 __all__ = ["calc_model"]  # fixture used here
@@ -81,7 +81,7 @@ async def test_every_answered_call_is_trained_or_accounted_for_and_traced_to_its
             return value == 1
 
         await eventually(val_counted, timeout=60, interval=0.5)
-        trained = set(training._trained)
+        trained = trained_ids(tmp_path)
 
     calls = [
         e for kind, e in await events_on(broker.bootstrap, events.CALLS) if kind == "model_call"

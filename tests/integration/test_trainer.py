@@ -102,6 +102,12 @@ async def test_recomputed_logprobs_equal_the_engines_behaviour_logprobs(
     assert float(diff.mean()) < 1e-4 and float(diff.max()) < 1e-3  # ratio 1 on a first pass
 
 
+def trained_ids(tmp_path: Path) -> set[str]:
+    """The sample ids the `trainer` fixture's steps trained on, from its step journal."""
+    records = journal.read(tmp_path / "checkpoints" / journal.JOURNAL)
+    return {s for step in journal.lineage(records) for s in step.samples}
+
+
 @asynccontextmanager
 async def trainer(
     broker: EmbeddedBroker,

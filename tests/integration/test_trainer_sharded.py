@@ -1,8 +1,8 @@
-"""The trainer's ranks under `torchrun` (gloo on CPU): an FSDP2 step and a replicated
-step give the one-process update, and a training state saved by two sharded ranks resumes
-on one, one saved by one process resumes on two sharded ranks; the exported model
-directory loads with `from_pretrained` and holds the trained weights; LoRA adapters shard
-too and export as a PEFT adapter directory."""
+"""The trainer's ranks under `torchrun` (gloo on CPU): an FSDP2 step, a LoRA step with
+sharded adapters and a replicated step give the one-process update; a training state saved
+by two sharded ranks resumes on one process and on two sharded ranks; the exported model
+directory loads with `from_pretrained` and holds the trained weights, a LoRA one is a PEFT
+adapter directory."""
 
 from __future__ import annotations
 
@@ -55,39 +55,38 @@ def _max_diff(a: Path, b: Path) -> float:
     return max(float((one[k] - two[k]).abs().max()) for k in one)
 
 
-def test_sharded_steps_and_resumes_at_another_world_size_give_the_one_process_update(
+def test_sharded_steps_and_a_sharded_checkpoint_resumed_on_one_or_two_ranks_match_one_process(
     tmp_path: Path,
 ) -> None:
-    _run(1, tmp_path / "single", "--steps", "2", "--save", str(tmp_path / "saved-by-one"))
-    _run(2, tmp_path / "fsdp", "--save", str(tmp_path / "saved-by-two"))
-    _run(2, tmp_path / "replicate", "--strategy", "replicate")
-    single = tmp_path / "single" / "step-1.safetensors"
-    assert _max_diff(tmp_path / "fsdp" / "step-1.safetensors", single) <= 1e-5
-    assert _max_diff(tmp_path / "replicate" / "step-1.safetensors", single) <= 1e-5
+    single, ranks, on_one = tmp_path / "single", tmp_path / "ranks", tmp_path / "on-one"
+    _run(1, single)
+    _run(2, ranks)
+    _run(1, on_one, "--resume", str(ranks / "saved"))
+    for scenario, reference in [
+        ("full-step-1", "full-step-1"),  # FSDP2
+        ("replicate-step-1", "full-step-1"),
+        ("lora-step-1", "lora-step-1"),  # sharded adapters on a frozen base
+        ("full-step-2", "full-step-2"),
+        ("resumed-step-2", "full-step-2"),  # saved by two ranks, resumed on two
+    ]:
+        diff = _max_diff(ranks / f"{scenario}.safetensors", single / f"{reference}.safetensors")
+        assert diff <= 1e-5, scenario
+    assert (
+        _max_diff(on_one / "resumed-step-2.safetensors", single / "full-step-2.safetensors") <= 1e-5
+    )
     base = load_file(TINY / "model.safetensors")
-    trained = load_file(single)
+    trained = load_file(single / "full-step-1.safetensors")
     assert any(not torch.equal(trained[k], base[k]) for k in base)  # the step moved weights
-    # Two shards per tensor on disk; the exported directory is the whole model.
-    assert sorted(p.name for p in (tmp_path / "saved-by-two" / "dcp").glob("*.distcp")) == [
+    # Each rank wrote its shards; the exported directory is the whole model.
+    saved = ranks / "saved"
+    assert sorted(p.name for p in (saved / "dcp").glob("*.distcp")) == [
         "__0_0.distcp",
         "__1_0.distcp",
     ]
     from transformers import AutoModelForCausalLM
 
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "saved-by-two").state_dict()
-    fsdp = load_file(tmp_path / "fsdp" / "step-1.safetensors")
+    exported = AutoModelForCausalLM.from_pretrained(saved).state_dict()
+    fsdp = load_file(ranks / "full-step-1.safetensors")
     assert all(torch.equal(exported[k], fsdp[k]) for k in fsdp)
-    # LoRA adapters on a frozen base, sharded: the same update; the export is the adapter.
-    _run(1, tmp_path / "lora-single", "--lora")
-    _run(2, tmp_path / "lora-fsdp", "--lora", "--save", str(tmp_path / "lora-saved"))
-    lora_single = tmp_path / "lora-single" / "step-1.safetensors"
-    assert _max_diff(tmp_path / "lora-fsdp" / "step-1.safetensors", lora_single) <= 1e-5
-    assert (tmp_path / "lora-saved" / "adapter_config.json").is_file()
-    assert not (tmp_path / "lora-saved" / "model.safetensors").exists()
-    # Saved by two sharded ranks, resumed on one; saved by one process, resumed on two.
-    resume = ["--first-batch", "1", "--resume"]
-    _run(1, tmp_path / "on-one", *resume, str(tmp_path / "saved-by-two"))
-    _run(2, tmp_path / "on-two", *resume, str(tmp_path / "saved-by-one"))
-    two_steps = tmp_path / "single" / "step-2.safetensors"
-    assert _max_diff(tmp_path / "on-one" / "step-2.safetensors", two_steps) <= 1e-5
-    assert _max_diff(tmp_path / "on-two" / "step-2.safetensors", two_steps) <= 1e-5
+    assert (ranks / "lora-saved" / "adapter_config.json").is_file()
+    assert not (ranks / "lora-saved" / "model.safetensors").exists()

@@ -1,10 +1,13 @@
-"""Trainer steps on fixed batches, in one process or under torchrun, with the strategy
-named on the command line; optionally resumed from a saved training state, and saved
-(every rank its shards) after the first step. After each step k rank 0 writes the full
-weights to OUT/step-k.safetensors (k counts from --first-batch). The tests compare runs.
+"""Trainer steps on fixed batches in one process or under torchrun, every scenario of
+tests/integration/test_trainer_sharded.py in one launch (starting torch is most of the
+cost). Rank 0 writes the full weights after each step to OUT/<scenario>-step-<k>.safetensors.
 
-    sharded_step.py OUT [--strategy fsdp|replicate] [--steps 1] [--first-batch 0]
-                    [--resume DIR] [--save DIR] [--lora]
+    sharded_step.py OUT              full weights (2 steps; under torchrun the default FSDP,
+                                     saved after step 1 to OUT/saved), LoRA (1 step; saved
+                                     to OUT/lora-saved under torchrun); under torchrun also
+                                     `resumed` (OUT/saved loaded into a fresh sharded policy,
+                                     then step 2) and `replicate` (1 step, whole copies)
+    sharded_step.py OUT --resume DIR `resumed` only: DIR loaded, then step 2
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors.torch import save_file
@@ -25,10 +29,11 @@ from harnessrl.v1 import events_pb2 as pb
 TINY = Path(__file__).resolve().parents[3] / "examples" / "tiny-model"
 
 
-def batch(seed: int) -> list[SampleArrays]:
-    rng = np.random.default_rng(seed)
+def batch(step: int) -> list[SampleArrays]:
+    """The batch of step `step` (1, 2, ...): seven samples, so ranks get unequal shares."""
+    rng = np.random.default_rng(6 + step)
     samples = []
-    for i in range(7):  # odd: the ranks get unequal shares of the micro-batches
+    for i in range(7):
         prompt = rng.integers(20, 2000, int(rng.integers(4, 12))).tolist()
         completion = rng.integers(20, 2000, int(rng.integers(3, 10))).tolist()
         samples.append(
@@ -48,37 +53,47 @@ def batch(seed: int) -> list[SampleArrays]:
     return samples
 
 
+def policy(**overrides: Any) -> Policy:
+    settings = {"model": TINY, "device": "cpu", "lr": 1e-3, "micro_batch_tokens": 32}
+    return Policy.load(TrainerSection.model_validate(settings | overrides))
+
+
+def step(trained: Policy, k: int, out: Path, scenario: str) -> None:
+    trained.step(batch(k))
+    weights = {name: full(t).detach().clone() for name, t in trained.model.state_dict().items()}
+    if trained.world.leader:
+        save_file(weights, str(out / f"{scenario}-step-{k}.safetensors"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("--strategy", default="fsdp")
-    parser.add_argument("--steps", type=int, default=1)
-    parser.add_argument("--first-batch", type=int, default=0)
     parser.add_argument("--resume", type=Path)
-    parser.add_argument("--save", type=Path)
-    parser.add_argument("--lora", action="store_true", help="rank-4 adapters, frozen base")
     args = parser.parse_args()
-    settings = TrainerSection(
-        model=TINY,
-        device="cpu",
-        lr=1e-3,
-        micro_batch_tokens=32,
-        sharding={"strategy": args.strategy},
-        lora={"rank": 4, "alpha": 8.0} if args.lora else None,
-    )
-    policy = Policy.load(settings)
+    out: Path = args.out
     if args.resume is not None:
-        policy.load_tensors(args.resume)
-    for k in range(args.first_batch, args.first_batch + args.steps):
-        policy.step(batch(7 + k))
-        if k == args.first_batch and args.save is not None:
-            policy.save_tensors(args.save)  # the directory exists: rank 0 made it below
-        weights = {name: full(t).detach().clone() for name, t in policy.model.state_dict().items()}
-        if policy.world.leader:
-            save_file(weights, str(args.out / f"step-{k + 1}.safetensors"))
-    if policy.world.leader:
-        print(f"sharded={policy.sharded} world={policy.world.size}")
-    policy.world.close()
+        resumed = policy()
+        resumed.load_tensors(args.resume)
+        step(resumed, 2, out, "resumed")
+        print(f"world={resumed.world.size}")
+        resumed.world.close()
+        return 0
+    first = policy()
+    ranks = first.world.size
+    step(first, 1, out, "full")
+    if ranks > 1:
+        first.save_tensors(out / "saved")
+    step(first, 2, out, "full")
+    lora = policy(lora={"rank": 4, "alpha": 8.0})
+    step(lora, 1, out, "lora")
+    if ranks > 1:
+        lora.save_tensors(out / "lora-saved")
+        resumed = policy()
+        resumed.load_tensors(out / "saved")
+        step(resumed, 2, out, "resumed")
+        step(policy(sharding={"strategy": "replicate"}), 1, out, "replicate")
+    print(f"world={ranks} sharded={first.sharded}")
+    first.world.close()
     return 0
 
 
