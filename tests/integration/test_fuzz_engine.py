@@ -15,7 +15,7 @@ from tests.model_helpers import TINY
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES = 100 if FULL else 25
+EXAMPLES = 100 if FULL else 40
 """Requests per operation and generation mode (positive, negative); `make test-full` runs
 the long version."""
 

@@ -25,7 +25,7 @@ from tests.raw_http import exchange, first_response
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES = 60 if FULL else 20
+EXAMPLES = 60 if FULL else 30
 """Requests per operation and generation mode (positive, negative); `make test-full` runs
 the long version."""
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from harnessrl.cli import main
+from tests.helpers import FULL
 
 SMALL = [
     "--device",
@@ -98,6 +99,10 @@ def test_bench_trainer_trains_lora_adapters_on_a_model_built_from_a_config(
     assert result["model_params"] > result["trained_params"]
 
 
+@pytest.mark.skipif(
+    not FULL,
+    reason="two torchrun launches: make test-full (test_trainer_sharded.py checks the same update)",
+)
 def test_bench_trainer_sharded_halves_the_state_per_rank_and_changes_no_weight(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -2,12 +2,11 @@
 tests/integration/test_trainer_sharded.py in one launch (starting torch is most of the
 cost). Rank 0 writes the full weights after each step to OUT/<scenario>-step-<k>.safetensors.
 
-    sharded_step.py OUT              full weights (2 steps; under torchrun the default FSDP,
-                                     saved after step 1 to OUT/saved), LoRA (1 step; saved
-                                     to OUT/lora-saved under torchrun); under torchrun also
-                                     `resumed` (OUT/saved loaded into a fresh sharded policy,
-                                     then step 2) and `replicate` (1 step, whole copies)
-    sharded_step.py OUT --resume DIR `resumed` only: DIR loaded, then step 2
+    sharded_step.py OUT [--resume DIR]
+        full weights (2 steps; under torchrun the default FSDP, saved after step 1 to
+        OUT/saved), LoRA (1 step; saved to OUT/lora-saved under torchrun); under torchrun
+        also `resumed` (OUT/saved loaded into a fresh sharded policy, then step 2) and
+        `replicate` (1 step, whole copies); with --resume, `resumed` from DIR (step 2)
 """
 
 from __future__ import annotations
@@ -71,13 +70,6 @@ def main() -> int:
     parser.add_argument("--resume", type=Path)
     args = parser.parse_args()
     out: Path = args.out
-    if args.resume is not None:
-        resumed = policy()
-        resumed.load_tensors(args.resume)
-        step(resumed, 2, out, "resumed")
-        print(f"world={resumed.world.size}")
-        resumed.world.close()
-        return 0
     first = policy()
     ranks = first.world.size
     step(first, 1, out, "full")
@@ -92,6 +84,10 @@ def main() -> int:
         resumed.load_tensors(out / "saved")
         step(resumed, 2, out, "resumed")
         step(policy(sharding={"strategy": "replicate"}), 1, out, "replicate")
+    if args.resume is not None:
+        resumed = policy()
+        resumed.load_tensors(args.resume)
+        step(resumed, 2, out, "resumed")
     print(f"world={ranks} sharded={first.sharded}")
     first.world.close()
     return 0
