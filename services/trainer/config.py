@@ -67,9 +67,6 @@ class ShardingSection(Section):
     all-gather in the backward pass)."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """fsdp: dtype gradients are reduce-scattered in."""
-    publish_bucket_mb: int = Field(default=512, ge=1)
-    """Most bytes of full tensors gathered at once when a version is published or a model
-    directory exported (never the whole model on one rank's accelerator)."""
 
 
 class TrainerSection(ServiceSection):
