@@ -198,21 +198,46 @@ def _older_goes_on(nodes: list[Node], parents: npt.NDArray[np.int64], head: int)
 
 
 def _survives(context_ids: Ids, prompt_ids: Ids, spans: Sequence[tuple[int, int]], at: int) -> bool:
-    """Whether most of the context's inserted ids from `at` on reappear in the prompt."""
+    """Whether most of the context's inserted ids from `at` on reappear in the prompt.
+
+    A long run is matched chunk by chunk, so an edit inside it (a request id changed in the
+    system prompt, the rest of the run unchanged) costs only the chunks it touches; a short
+    run is matched whole (its middle: its ends may be tokenized with their neighbours)."""
     inside = np.zeros(len(context_ids), dtype=np.bool_)
     for start, end in spans:
         inside[start:end] = True
-    rest = prompt_ids[at:].tobytes()
+    rest_ids = prompt_ids[at:]
+    rest = rest_ids.tobytes()
+    grams: set[bytes] | None = None
     total = found = 0
     after = at + 1  # the id at `at` itself is the one that changed
     for start, end in _runs(~inside[after:]):
         run = context_ids[after + start : after + end]
+        if len(run) >= 2 * _CHUNK:
+            if grams is None:
+                grams = _grams(rest_ids)
+            chunks = run[: len(run) // _CHUNK * _CHUNK].reshape(-1, _CHUNK)
+            total += chunks.size
+            found += _CHUNK * sum(chunk.tobytes() in grams for chunk in chunks)
+            continue
         total += len(run)
-        # The run's ends may be tokenized with their neighbours: look for its middle.
         middle = run[1:-1] if len(run) > 2 else run
         if _find_ids(rest, middle.tobytes()):
             found += len(run)
     return total == 0 or found >= _SURVIVES * total
+
+
+_CHUNK = 8
+"""Ids per chunk when a long run of inserted ids is looked for in the new prompt."""
+
+
+def _grams(ids: Ids) -> set[bytes]:
+    """Every _CHUNK consecutive ids of `ids`, as bytes (one set, built in one pass)."""
+    if len(ids) < _CHUNK:
+        return set()
+    windows = np.lib.stride_tricks.sliding_window_view(ids, _CHUNK)
+    flat = np.ascontiguousarray(windows).view(np.dtype((np.void, 4 * _CHUNK))).ravel()
+    return {w.tobytes() for w in flat}
 
 
 def _runs(mask: Mask) -> list[tuple[int, int]]:

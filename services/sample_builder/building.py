@@ -175,7 +175,7 @@ def _segments(
     kept: list[_Kept],
 ) -> str | None:
     """Merge the episode's calls into `kept`; the reason to drop it instead, if any."""
-    calls = [_call(c) for c in episode.calls]
+    calls = [to_call(c) for c in episode.calls]
     if not calls:
         return "no_calls"
     try:
@@ -236,7 +236,8 @@ def _count(stats: pb.MergeStats, episode_id: str, merged: MergeResult, calls: in
         )
 
 
-def _call(call: pb.ModelCall) -> Call:
+def to_call(call: pb.ModelCall) -> Call:
+    """The merging view of a recorded call."""
     return Call(
         seq=call.seq,
         prompt_ids=np.array(call.prompt_token_ids, dtype=np.uint32),

@@ -81,7 +81,7 @@ class SampleBuilderService:
                 config.kafka, events.SAMPLES, client_id=f"{runtime.producer_name}/rebuild"
             )
             if self._settings.tokenizer is not None:
-                self._decode = await asyncio.to_thread(_decoder, str(self._settings.tokenizer))
+                self._decode = await asyncio.to_thread(decoder, str(self._settings.tokenizer))
             consumer = Consumer(
                 config.kafka,
                 config.consumer,
@@ -229,7 +229,7 @@ def _release(holds: list[Hold]) -> None:
         hold.release()
 
 
-def _decoder(path: str) -> Decode:
+def decoder(path: str) -> Decode:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)

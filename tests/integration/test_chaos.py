@@ -23,6 +23,9 @@ def test_a_minute_of_kills_and_freezes_loses_and_doubles_nothing(tmp_path: Path)
     done = subprocess.run(
         [
             *(sys.executable, "-m", "harnessrl", "chaos", "--json", "--minutes", minutes),
+            # A kill every 12 s: at least three in the minute even when a restart is slow
+            # (tests run in parallel), which the 20 s default does not leave room for.
+            *("--kill-every", "12"),
             *("--services", "gateway,trainer,controller", "--workdir", str(tmp_path / "run")),
         ],
         cwd=ROOT,

@@ -188,6 +188,26 @@ def test_a_compaction_from_the_first_assistant_turn_is_a_compaction() -> None:
     assert merge(calls[:3], decode=words).break_kinds == (BreakKind.SIDE_CHAIN,)
 
 
+def test_a_system_prompt_line_that_changes_per_call_is_an_edit_not_a_compaction() -> None:
+    """A request id in the system prompt (as Claude Code sends): the few ids of the changed
+    line differ, the rest of that long run of inserted text (the system prompt after it,
+    the first user turn) reappears: every call is an `other` break, not a side call."""
+    head, rest = list(range(10, 30)), list(range(40, 80))  # system prompt around the id
+
+    def system(request_id: int) -> list[int]:
+        return [*head, request_id, request_id + 1, request_id + 2, *rest]
+
+    user, answer, again = list(range(100, 120)), [7, 8, 9], list(range(120, 130))
+    calls = [
+        make_call(0, [*system(200), *user], answer),
+        make_call(1, [*system(300), *user, *answer, *again], [6]),
+        make_call(2, [*system(400), *user, *answer, *again, 6, 5], [4]),
+    ]
+    result = merge(calls)
+    assert result.break_kinds == (BreakKind.OTHER, BreakKind.OTHER)
+    assert [b.position for b in result.breaks] == [len(head), len(head)]
+
+
 def test_a_branch_keeps_the_longer_line_in_its_chain() -> None:
     """A call that extends an earlier call's whole context, not its chain's last one, is a
     branch there (a rewind, or a side call on the conversation so far): the longer line

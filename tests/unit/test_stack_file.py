@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from harnessrl.up import manual_episodes
-from harnessrl.up.plan import build_plan
+from harnessrl.up.plan import UpError, build_plan
 from harnessrl.up.stackfile import (
     MANUAL_EPISODES_FILE,
     STACK_FILE,
@@ -177,3 +177,15 @@ def test_a_damaged_record_is_reported_with_its_line(tmp_path: Path) -> None:
         record.write('{"episode_id": "x"}\n')
     with pytest.raises(StackFileError, match=f"{MANUAL_EPISODES_FILE}:2"):
         manual_episodes.find(path, "g-a-manual-0")
+
+
+def test_up_leaves_out_the_trainer_and_builder_when_asked_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    plan = build_plan(ROOT / "examples" / "up.yaml", tmp_path, "http://127.0.0.1:4317",
+                      frozenset({"trainer", "sample-builder"}))  # fmt: skip
+    names = [spec.name for spec in plan.children]
+    assert names == ["broker", "inference", "gateway", "reward", "controller"]
+    assert plan.config == (ROOT / "examples" / "up.yaml").resolve()
+    with pytest.raises(UpError, match="--without gateway: only sample-builder, trainer"):
+        build_plan(ROOT / "examples" / "up.yaml", tmp_path, "x", frozenset({"gateway"}))

@@ -16,6 +16,7 @@ from harnessrl.cli import (
     broker,
     chaos,
     config_cmd,
+    doctor,
     episode,
     events_cmd,
     experiment,
@@ -48,6 +49,7 @@ _COMMANDS = (
     up,
     episode,
     experiment,
+    doctor,
     chaos,
     swe,
 )

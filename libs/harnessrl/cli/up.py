@@ -45,6 +45,15 @@ def register(commands: Any) -> None:
         metavar="SECONDS",
         help="time between SIGTERM and SIGKILL when stopping each service (default 30)",
     )
+    parser.add_argument(
+        "--without",
+        action="append",
+        default=[],
+        choices=["trainer", "sample-builder"],
+        metavar="SERVICE",
+        help="leave a service out: trainer or sample-builder (repeatable); episodes still run, "
+        "are captured and rewarded (what `harnessrl doctor` starts)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -74,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
                 color=color,
                 ready_timeout_s=args.ready_timeout,
                 grace_s=args.grace,
+                without=frozenset(args.without),
             )
         )
     except (UpError, FileNotFoundError) as err:

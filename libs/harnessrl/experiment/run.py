@@ -13,15 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import dataclasses
 import itertools
-import json
-import os
 import signal
-import sys
 import time
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -32,6 +26,7 @@ from harnessrl.experiment.ledger import TRAIN, VAL_AFTER, VAL_BEFORE, Ledger
 from harnessrl.experiment.scrape import scrape
 from harnessrl.logs import get_logger
 from harnessrl.tasks import TaskLine
+from harnessrl.up.client import Stack, StackError, stack_for
 
 log = get_logger(__name__)
 
@@ -60,15 +55,6 @@ class Options:
     ready_timeout_s: float = 300.0
 
 
-@dataclass(frozen=True, slots=True)
-class Stack:
-    bootstrap: str
-    traces: Path
-    urls: dict[str, str]
-    failure: Callable[[], str | None] = lambda: None
-    """Why the stack is gone, once it is (None while it runs)."""
-
-
 async def run_experiment(options: Options, progress: IO[str]) -> dict[str, Any]:
     """Run it; returns the metrics the report is drawn from (see report.write_report)."""
     options.run_dir.mkdir(parents=True, exist_ok=True)
@@ -76,13 +62,32 @@ async def run_experiment(options: Options, progress: IO[str]) -> dict[str, Any]:
     main = asyncio.current_task()
     assert main is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
-    async with _stack(options, progress) as stack:
-        ledger = Ledger()
-        async with task_bus(stack.bootstrap, ledger) as (publish, changed):
-            experiment = _Experiment(
-                options, stack, ledger, publish=publish, changed=changed, progress=progress
-            )
-            metrics = await experiment.run()
+    stack_cm = stack_for(
+        config=options.config,
+        stack_file=options.stack_file,
+        workdir=options.run_dir / "stack",
+        log_path=options.run_dir / "up.log",
+        progress=progress,
+        env={
+            "HARNESSRL_TRAINER__MAX_STEPS": str(options.steps),
+            "HARNESSRL_TRAINER__AT_MAX_STEPS": "serve",  # the engine fetches the last version
+        },
+        ready_timeout_s=options.ready_timeout_s,
+    )
+    try:
+        async with stack_cm as stack:
+            return await _run(options, stack, progress, started)
+    except StackError as err:
+        raise ExperimentError(str(err)) from None
+
+
+async def _run(options: Options, stack: Stack, progress: IO[str], started: float) -> dict[str, Any]:
+    ledger = Ledger()
+    async with task_bus(stack.bootstrap, ledger) as (publish, changed):
+        experiment = _Experiment(
+            options, stack, ledger, publish=publish, changed=changed, progress=progress
+        )
+        metrics = await experiment.run()
     metrics.update(run_id=options.run_dir.name, config=str(options.config or ""))
     metrics["started_at"] = started
     metrics["summary"]["minutes"] = round((time.time() - started) / 60, 2)
@@ -244,85 +249,3 @@ async def _scrape_or_empty(url: str | None) -> dict[str, Any]:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
-
-
-# --- the stack and the bus -------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def _stack(options: Options, progress: IO[str]) -> AsyncIterator[Stack]:
-    if options.stack_file is not None:
-        yield _read_stack(options.stack_file)
-        return
-    workdir = options.run_dir / "stack"
-    workdir.mkdir(parents=True, exist_ok=True)
-    stack_file = workdir / "stack.json"
-    stack_file.unlink(missing_ok=True)
-    log_path = options.run_dir / "up.log"
-    argv = [sys.executable, "-m", "harnessrl", "up", "--workdir", str(workdir)]
-    if options.config is not None:
-        argv += ["--config", str(options.config)]
-    env = {
-        **os.environ,
-        "NO_COLOR": "1",
-        "HARNESSRL_TRAINER__MAX_STEPS": str(options.steps),
-        "HARNESSRL_TRAINER__AT_MAX_STEPS": "serve",  # the engine fetches the last version
-    }
-    progress.write(f"starting the stack (harnessrl up; its log: {log_path})\n")
-    progress.flush()
-    with log_path.open("ab") as log_file:
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            stdout=log_file,
-            stderr=asyncio.subprocess.STDOUT,
-            env=env,
-            preexec_fn=_stop_with_parent,  # one prctl call: async-signal-safe enough
-        )
-    try:
-        deadline = time.monotonic() + options.ready_timeout_s
-        while not stack_file.exists():
-            if process.returncode is not None or time.monotonic() > deadline:
-                tail = log_path.read_text(errors="replace").splitlines()[-15:]
-                raise ExperimentError("the stack did not start:\n" + "\n".join(tail))
-            await asyncio.sleep(0.2)
-
-        def failure() -> str | None:
-            if process.returncode is None:
-                return None
-            tail = log_path.read_text(errors="replace").splitlines()[-15:]
-            return f"the stack stopped (exit {process.returncode}):\n" + "\n".join(tail)
-
-        stack = dataclasses.replace(_read_stack(stack_file), failure=failure)
-        progress.write(f"stack ready: kafka {stack.bootstrap}, traces {stack.traces}\n")
-        yield stack
-    finally:
-        await _stop(process)
-
-
-def _stop_with_parent() -> None:
-    """In `up` before exec: SIGTERM it (an orderly stop) when the experiment dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def _read_stack(path: Path) -> Stack:
-    try:
-        data = json.loads(path.read_text())
-        return Stack(
-            bootstrap=data["bootstrap"],
-            traces=Path(data["traces"]),
-            urls={name: s["url"] for name, s in data["services"].items()},
-        )
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ExperimentError(f"{path}: not a harnessrl up stack file ({err!r})") from None
-
-
-async def _stop(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is None:
-        process.send_signal(signal.SIGINT)
-        try:
-            await asyncio.wait_for(process.wait(), 90)
-        except TimeoutError:
-            process.kill()
-            await process.wait()

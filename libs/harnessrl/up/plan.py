@@ -53,13 +53,25 @@ class StackPlan:
     """Where the gateway listens and the secrets it was started with."""
     children: tuple[ChildSpec, ...] = field(default=())
     """In start order; stopped in reverse."""
+    config: Path | None = None
+    """The config file every child reads (None: the defaults)."""
 
 
-def build_plan(config_file: Path | None, workdir: Path, telemetry_endpoint: str) -> StackPlan:
-    """Plan the stack. Ports are picked free now; secrets the config leaves unset are
-    generated for this run (`StackPlan.gateway` carries them, for the stack file). Raises
-    UpError when the config lacks a harness command, or pydantic.ValidationError /
+def build_plan(
+    config_file: Path | None,
+    workdir: Path,
+    telemetry_endpoint: str,
+    without: frozenset[str] = frozenset(),
+) -> StackPlan:
+    """Plan the stack, leaving out the services named in `without` (only those in
+    OPTIONAL: a stack that only runs episodes needs no trainer). Ports are picked free now;
+    secrets the config leaves unset are generated for this run (`StackPlan.gateway` carries
+    them, for the stack file). Raises UpError when the config lacks a harness command or
+    `without` names a service that cannot be left out, or pydantic.ValidationError /
     FileNotFoundError for a bad config."""
+    if not without <= OPTIONAL:
+        names = ", ".join(sorted(without - OPTIONAL))
+        raise UpError(f"--without {names}: only {', '.join(sorted(OPTIONAL))} can be left out")
     from harnessrl.services.controller.config import ControllerConfig
     from harnessrl.services.gateway.config import GatewayConfig
 
@@ -105,6 +117,8 @@ def build_plan(config_file: Path | None, workdir: Path, telemetry_endpoint: str)
     }
     children = []
     for name, section in _SERVICES.items():
+        if name in without:
+            continue
         extra = ["--port", str(kafka_port)] if name == "broker" else []
         port = ports[name]
         env = {**shared, f"HARNESSRL_{section}__PORT": str(port), **per_service[name]}
@@ -117,7 +131,12 @@ def build_plan(config_file: Path | None, workdir: Path, telemetry_endpoint: str)
                 address=_address(name, port, bootstrap),
             )
         )
-    return StackPlan(bootstrap=bootstrap, gateway=access, children=tuple(children))
+    return StackPlan(
+        bootstrap=bootstrap,
+        gateway=access,
+        children=tuple(children),
+        config=config_file.resolve() if config_file is not None else None,
+    )
 
 
 _SERVICES = {
@@ -130,6 +149,9 @@ _SERVICES = {
     "controller": "CONTROLLER",
 }
 """Service (CLI command) -> its config section's environment name, in start order."""
+
+OPTIONAL = frozenset({"trainer", "sample-builder"})
+"""Services a stack can run without: episodes are still run, captured and rewarded."""
 
 
 def resolve_command(command: list[str]) -> list[str]:

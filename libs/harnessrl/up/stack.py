@@ -25,6 +25,7 @@ async def run_stack(
     color: bool,
     ready_timeout_s: float = 180.0,
     grace_s: float = 30.0,
+    without: frozenset[str] = frozenset(),
 ) -> int:
     """Run the whole stack until SIGINT/SIGTERM (exit code 0) or until a child fails to
     start or exits on its own (1). `workdir` must exist. Children are stopped in reverse
@@ -36,7 +37,7 @@ async def run_stack(
     receiver = OtlpReceiver(workdir / "traces.jsonl", port=0)
     await receiver.start()
     try:
-        plan = build_plan(config_file, workdir, receiver.endpoint)
+        plan = build_plan(config_file, workdir, receiver.endpoint, without)
         view = LogView(["up", *(spec.name for spec in plan.children)], color=color)
         out(view.note(f"traces -> {receiver.path} (OTLP/gRPC on {receiver.endpoint})"))
         stack = Stack(plan, view, out, traces=receiver.path)
@@ -155,8 +156,8 @@ def ready_table(children: list[Child], bootstrap: str, traces: Path, stack_file:
 
 def stack_data(children: list[Child], plan: StackPlan, traces: Path) -> dict[str, object]:
     """What `STACK_FILE` says beside the gateway's access: `up`'s pid, the bootstrap
-    servers, the traces file, and each service's pid, base URL (its /healthz and /metrics
-    are below it) and address."""
+    servers, the traces file, the config file, and each service's pid, base URL (its
+    /healthz and /metrics are below it) and address."""
     services = {
         c.spec.name: {
             "pid": c.pid,
@@ -169,5 +170,6 @@ def stack_data(children: list[Child], plan: StackPlan, traces: Path) -> dict[str
         "pid": os.getpid(),
         "bootstrap": plan.bootstrap,
         "traces": str(traces),
+        "config": str(plan.config) if plan.config is not None else "",
         "services": services,
     }

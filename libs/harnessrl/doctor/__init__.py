@@ -1,0 +1,1 @@
+"""harnessrl doctor: will this harness train well? (see doctor.run)"""
