@@ -5,8 +5,11 @@ on it (tests/integration/test_fuzz_gateway.py sends it schema-violating requests
 each refused):
 
 - `/v1/messages`: the schema of the model that validates the request
-  (`anthropic_models.MessagesRequest`), generated, so it cannot drift from it;
-  `/v1/messages/count_tokens` the same without `max_tokens`.
+  (`anthropic_models.MessagesRequest`), generated, so it cannot drift from it, but for
+  `tools`, whose items may also be server tools (any `type` but `custom`): the dialect
+  leaves those out before validating (dialects/anthropic.py; refused by name with
+  `gateway.unserved_tools: reject`). `/v1/messages/count_tokens` the same without
+  `max_tokens` required and without `stream` (a count never streams: any value is ignored).
 - `/v1/responses`: the fields whose type the Responses dialect checks itself
   (dialects/responses_request.py checks the items, tools and tool choice in detail, each
   refusal naming its field).
@@ -116,6 +119,15 @@ _RESPONSES = {
         "top_p": {"anyOf": [{"type": "number"}, {"type": "null"}]},
     },
 }
+_SERVER_TOOL = {
+    "title": "ServerTool",
+    "description": "A tool run by Anthropic's API (web search, code execution, ...), not by "
+    "any engine: left out of the request (gateway.unserved_tools: drop, the default) or "
+    "refused naming it (reject).",
+    "type": "object",
+    "required": ["type"],
+    "properties": {"type": {"type": "string", "not": {"const": "custom"}}},
+}
 _ID = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}]
 _OPENAI_ERROR = {
     "type": "object",
@@ -179,7 +191,13 @@ def document() -> dict[str, Any]:
     """The document (a fresh dict)."""
     messages = MessagesRequest.model_json_schema(ref_template=_REF)
     defs = messages.pop("$defs", {})
-    count = {**messages, "required": [r for r in messages["required"] if r != "max_tokens"]}
+    tools = messages["properties"]["tools"]["anyOf"][0]
+    tools["items"] = {"anyOf": [tools["items"], {"$ref": _REF.format(model="ServerTool")}]}
+    count = {
+        **messages,
+        "properties": {k: v for k, v in messages["properties"].items() if k != "stream"},
+        "required": [r for r in messages["required"] if r != "max_tokens"],
+    }
     anthropic_errors = {
         "4XX": {"$ref": "#/components/responses/AnthropicError"},
         "5XX": {"$ref": "#/components/responses/AnthropicError"},
@@ -253,6 +271,7 @@ def document() -> dict[str, Any]:
                 "MessagesRequest": messages,
                 "CountTokensRequest": count,
                 **defs,
+                "ServerTool": _SERVER_TOOL,
                 "OpenAIErrorBody": _OPENAI_ERROR,
                 "AnthropicErrorBody": _ANTHROPIC_ERROR,
             },
