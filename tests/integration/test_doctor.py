@@ -171,3 +171,4 @@ def test_a_constant_reward_leaves_no_group_a_signal(stack: Path, tmp_path: Path)
     assert signal_check["verdict"] == "fail" and signal_check["fix"]
     assert report["outcome"]["zero_variance_groups"] == 2
     assert report["tokens"]["dropped"] == {"zero_variance": report["tokens"]["captured"]}
+    assert verdicts(report)["tokens.trained"] == "n/a"  # nothing left to judge the harness by

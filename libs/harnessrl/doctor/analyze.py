@@ -115,19 +115,26 @@ def _tokens(episodes: list[EpisodeView], books: Counter[str]) -> dict[str, Any]:
     captured, trained = books["captured"], books["trained"]
     overhead = share(sequence, minimum)
     trained_share = share(trained, captured)
+    # Groups dropped for their rewards are outcome.signal's finding, not the harness's: the
+    # verdict is on the tokens of the groups that would be trained.
+    signal = sum(dropped.get(reason, 0) for reason in GROUP_REASONS)
+    kept_share = share(trained, captured - signal)
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items(), key=lambda kv: -kv[1]))
+    value = "nothing captured"
+    if trained_share is not None:
+        value = f"{trained} of {captured} ({trained_share:.2f})"
+        if signal:
+            value += f"; of the groups with a reward signal {_fmt_share(kept_share)}"
     checks = [
         Check(
             "tokens.trained",
             "tokens",
             "captured completion tokens training would use",
-            NA if trained_share is None else at_least(trained_share, 0.9, 0.5),
-            "nothing captured"
-            if trained_share is None
-            else f"{trained} of {captured} ({trained_share:.2f})",
-            "ok >= 0.9, warn >= 0.5, fail below",
+            NA if kept_share is None else at_least(kept_share, 0.9, 0.5),
+            value,
+            "ok >= 0.9, warn >= 0.5, fail below (groups without a signal: outcome.signal)",
             f"not trained, by reason (tokens): {reasons}" if reasons else "",
-            _books_fix(dropped),
+            _books_fix({k: v for k, v in dropped.items() if k not in GROUP_REASONS}),
         ),
         Check(
             "tokens.overhead",
@@ -165,12 +172,19 @@ def _tokens(episodes: list[EpisodeView], books: Counter[str]) -> dict[str, Any]:
     }
 
 
+GROUP_REASONS = ("zero_variance", "too_few_episodes")
+"""Token-book reasons that drop a whole group for its rewards."""
+
+
+def _fmt_share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _books_fix(dropped: dict[str, int]) -> str:
     if not dropped:
         return ""
     top = max(dropped, key=dropped.__getitem__)
     return {
-        "zero_variance": "every episode of a group got the same reward: see outcome.signal",
         "truncated": "sequences exceed sample_builder.max_tokens: raise it or shorten episodes",
         "retried": "the harness retries calls: look for 4xx/5xx and timeouts under wire",
         "failed": "episodes fail: see outcome.status",

@@ -363,9 +363,12 @@ def _plot_context(ax: Axes, wire: Mapping[str, Any]) -> None:
         seqs, tokens = zip(*sorted(by_episode[episode]), strict=True)
         ax.plot(seqs, tokens, ".-", markersize=3, linewidth=0.8, alpha=0.6)
     limit = wire["context_limit"]
-    if limit is not None:
+    largest = max(int(p["tokens"]) for p in wire["context"])
+    if limit is not None and largest >= int(limit) / 4:
         ax.axhline(int(limit), linestyle="--", color="C3", label=f"context limit {int(limit):,}")
         ax.legend(loc="upper left", fontsize=8)
+    elif limit is not None:  # far below the limit: drawing it would flatten every line
+        ax.set_title(f"Context per call{drawn_note} (limit {int(limit):,}, off the scale)")
     ax.set_xlabel("call seq")
     ax.set_ylabel("prompt + completion tokens")
     _whole_numbers(ax)

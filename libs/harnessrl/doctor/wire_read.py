@@ -22,6 +22,9 @@ MARKUPS = (
 )
 """Where a completion starts a tool call, in the tool-call formats vLLM's parsers read."""
 
+NOT_HARNESS = frozenset({"/metrics", "/healthz"})
+"""Routes of the gateway's port that no harness call takes."""
+
 _BUDGETS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
@@ -161,10 +164,14 @@ def counter_delta(
 
 
 def requests(before: dict[str, float], after: dict[str, float]) -> dict[str, dict[str, int]]:
-    """Requests on the harness port during the run: route -> status -> count."""
+    """Harness requests on the gateway's port during the run: route -> status -> count (the
+    admin API's, the scrapes' and the health checks' left out)."""
     out: dict[str, dict[str, int]] = {}
     for labels, value in counter_delta(before, after, "harnessrl_gateway_requests_total").items():
         got = dict(labels)
-        route = out.setdefault(got.get("route", "?"), {})
+        name = got.get("route", "?")
+        if name.startswith("/admin") or name in NOT_HARNESS:
+            continue
+        route = out.setdefault(name, {})
         route[got.get("status", "?")] = int(value)
     return out
