@@ -45,6 +45,9 @@ class EpisodeClaims:
     mode: Mode
     expires_at: float  # unix seconds
     traceparent: str = ""  # W3C context of the episode span ("" when none)
+    gateway: str = ""
+    """The gateway replica that owns the episode (its `gateway.replica`); only it accepts the
+    token. "" in a deployment of one unnamed gateway."""
 
 
 def mint(claims: EpisodeClaims, secret: bytes) -> str:
@@ -61,6 +64,7 @@ def mint(claims: EpisodeClaims, secret: bytes) -> str:
                 "m": claims.mode,
                 "x": round(claims.expires_at, 3),
                 "t": claims.traceparent,
+                "r": claims.gateway,
             }
         )
     )
@@ -104,6 +108,7 @@ def verify(token: str, secrets: Sequence[bytes], now: float | None = None) -> Ep
             mode=_mode(data["m"]),
             expires_at=float(data["x"]),
             traceparent=str(data["t"]),
+            gateway=str(data.get("r", "")),
         )
     except (binascii.Error, ValueError, KeyError, TypeError, orjson.JSONDecodeError):
         raise TokenError("malformed", "episode token: payload is not valid claims") from None

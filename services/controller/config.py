@@ -136,6 +136,30 @@ class SandboxSettings(Section):
         return value
 
 
+def http_url(value: str) -> str:
+    """`value` when it is an http(s)://host[:port] URL; ValueError naming it otherwise."""
+    parts = urlsplit(value)
+    try:
+        parts.port  # noqa: B018 - raises on a malformed port
+    except ValueError as err:
+        raise ValueError(f"{value!r}: {err}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{value!r} is not an http(s)://host[:port] URL")
+    return value
+
+
+class GatewayReplica(Section):
+    """One gateway replica: its name (its `gateway.replica`) and where it is reached."""
+
+    name: str = Field(min_length=1, max_length=128)
+    url: str
+    """Base URL as harnesses reach it."""
+    admin_url: str | None = None
+    """Base URL of its admin API as the controller reaches it (default url)."""
+
+    _urls = field_validator("url")(http_url)
+
+
 class ControllerSection(ServiceSection):
     """The controller: which harness, where it runs, how many at once."""
 
@@ -148,9 +172,13 @@ class ControllerSection(ServiceSection):
     runner: Literal["local", "kubernetes"] = "local"
     """Where harnesses run: local processes or Kubernetes Jobs."""
     gateway_url: str = "http://127.0.0.1:8000"
-    """Base URL of the gateway as harnesses reach it."""
+    """Base URL of the gateway as harnesses reach it (one unnamed gateway; see `gateways`)."""
     gateway_admin_url: str | None = None
     """Base URL of the gateway's admin API as the controller reaches it (default gateway_url)."""
+    gateways: list[GatewayReplica] = []
+    """Several gateway replicas (instead of gateway_url): each episode belongs to one, chosen
+    by rendezvous hashing of its id over the names; its harness is given that replica's URL,
+    its token names it, and it is closed there."""
     token_secret: SecretStr | None = None
     """HMAC secret for episode tokens (the gateway's token_secret); required."""
     admin_token: SecretStr | None = None
@@ -208,14 +236,34 @@ class ControllerSection(ServiceSection):
     @field_validator("gateway_url")
     @classmethod
     def _gateway_url(cls, value: str) -> str:
-        parts = urlsplit(value)
-        try:
-            parts.port  # noqa: B018 - raises on a malformed port
-        except ValueError as err:
-            raise ValueError(f"{value!r}: {err}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"{value!r} is not an http(s)://host[:port] URL")
+        return http_url(value)
+
+    @field_validator("gateways")
+    @classmethod
+    def _gateways(cls, value: list[GatewayReplica]) -> list[GatewayReplica]:
+        names = [r.name for r in value]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"replica names must differ: {', '.join(twice)} given twice")
         return value
+
+    @property
+    def replicas(self) -> list[GatewayReplica]:
+        """The gateway replicas: `gateways`, or the one unnamed gateway of gateway_url."""
+        return self.gateways or [
+            GatewayReplica.model_construct(
+                name="", url=self.gateway_url, admin_url=self.gateway_admin_url
+            )
+        ]
+
+    @model_validator(mode="after")
+    def _one_gateway_in_a_sandbox(self) -> ControllerSection:
+        if self.sandbox.mode != "off" and len(self.gateways) > 1:
+            raise ValueError(
+                "sandbox: relays one gateway into a run's network namespace; with several "
+                "gateways set sandbox.mode: off (or run harnesses as Kubernetes Jobs)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _sandbox_is_local(self) -> ControllerSection:

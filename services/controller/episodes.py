@@ -21,7 +21,7 @@ from harnessrl.episode_token import EpisodeClaims, harness_env, mint
 from harnessrl.logs import get_logger
 from harnessrl.services.controller.admission import Admission
 from harnessrl.services.controller.config import ControllerSection, HarnessSpec
-from harnessrl.services.controller.gateway_admin import GatewayAdmin
+from harnessrl.services.controller.gateway_admin import Gateways
 from harnessrl.services.controller.lifecycle import Attempt, EpisodeRecord, Phase, judge
 from harnessrl.services.controller.runner import LaunchError, LaunchSpec, Run, Runner, RunResult
 from harnessrl.telemetry import inject_headers, span_ids
@@ -58,7 +58,7 @@ class EpisodeRunner:
         runner: Runner,
         producer: Producer,
         admission: Admission,
-        gateway: GatewayAdmin,
+        gateways: Gateways,
         tracer: trace.Tracer,
         recovered: dict[tuple[str, int], Run],
         metrics: Any,
@@ -68,7 +68,7 @@ class EpisodeRunner:
         self.runner = runner
         self.producer = producer
         self.admission = admission
-        self.gateway = gateway
+        self.gateways = gateways
         self.tracer = tracer
         self.recovered = recovered
         self.metrics = metrics
@@ -170,6 +170,7 @@ class EpisodeRunner:
 
     def _environment(self, job: EpisodeTask, attempt: int) -> dict[str, str]:
         settings = self.settings
+        replica = self.gateways.owner(job.episode_id)
         claims = EpisodeClaims(
             job.episode_id,
             attempt,
@@ -177,11 +178,12 @@ class EpisodeRunner:
             "val" if job.mode == pb.MODE_VAL else "train",
             time.time() + job.harness.timeout_s + settings.token_margin_s,
             traceparent=_traceparent(),
+            gateway=replica.name,
         )
         token = mint(claims, self._secret)
         return {
             **job.harness.env,
-            **harness_env(settings.gateway_url, token),
+            **harness_env(replica.url, token),
             "TRACEPARENT": claims.traceparent,
             "HARNESSRL_TASK": job.task.input_json,
         }
@@ -210,7 +212,7 @@ class EpisodeRunner:
     ) -> bool:
         """Close at the gateway, judge, publish EpisodeFinished; True to retry."""
         try:
-            calls = await self.gateway.close_episode(
+            calls = await self.gateways.admin(job.episode_id).close_episode(
                 job.episode_id, attempt, job.task.group_id, reason=result.outcome
             )
         except Exception as err:  # reported below; the sample builder times the group out

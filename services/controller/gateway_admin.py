@@ -1,8 +1,12 @@
-"""Closing episodes at the gateway (its admin API), with retries while it is away."""
+"""Closing episodes at the gateway replica that owns them (its admin API), with retries
+while it is away; which replica owns an episode (rendezvous hashing)."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -10,7 +14,21 @@ from harnessrl.http import HttpClient
 from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, is_retryable
 
+if TYPE_CHECKING:
+    from harnessrl.services.controller.config import GatewayReplica
+
 log = get_logger(__name__)
+
+
+def owner(episode_id: str, replicas: Sequence[GatewayReplica]) -> GatewayReplica:
+    """The replica that owns `episode_id`: the highest hash of (replica name, episode id).
+    Rendezvous hashing: every controller agrees without state, and adding a replica moves
+    only the episodes that now hash highest to it (1/N of them)."""
+    return max(replicas, key=lambda r: _weight(r.name, episode_id))
+
+
+def _weight(name: str, episode_id: str) -> bytes:
+    return hashlib.blake2b(f"{name}\0{episode_id}".encode(), digest_size=8).digest()
 
 
 class GatewayCloseError(RuntimeError):
@@ -18,7 +36,12 @@ class GatewayCloseError(RuntimeError):
 
 
 class GatewayAdmin:
-    def __init__(self, url: str, admin_token: str, *, timeout_s: float) -> None:
+    """The admin API of one gateway replica."""
+
+    def __init__(
+        self, url: str, admin_token: str, *, timeout_s: float, replica: str = ""
+    ) -> None:
+        self.replica = replica
         self._client = HttpClient(url, read_timeout_s=60)
         self._auth = [
             ("authorization", f"Bearer {admin_token}"),
@@ -29,7 +52,9 @@ class GatewayAdmin:
     async def close_episode(self, episode_id: str, attempt: int, group_id: str, reason: str) -> int:
         """Close the attempt at the gateway; returns its call count. Retries transient
         failures (and 503) until `timeout_s`, then raises GatewayCloseError."""
-        body = orjson.dumps({"attempt": attempt, "group_id": group_id, "reason": reason})
+        body = orjson.dumps(
+            {"attempt": attempt, "group_id": group_id, "reason": reason, "gateway": self.replica}
+        )
         delays = Backoff(0.2, 5.0).delays()
         deadline = asyncio.get_running_loop().time() + self._timeout_s
         while True:
@@ -63,3 +88,28 @@ class GatewayAdmin:
 
     async def close(self) -> None:
         await self._client.close()
+
+
+class Gateways:
+    """Every gateway replica the controller spreads episodes over, each with its admin API."""
+
+    def __init__(
+        self, replicas: Sequence[GatewayReplica], admin_token: str, *, timeout_s: float
+    ) -> None:
+        self.replicas = list(replicas)
+        self._admins = {
+            r.name: GatewayAdmin(r.admin_url or r.url, admin_token, timeout_s=timeout_s,
+                                 replica=r.name)
+            for r in self.replicas
+        }  # fmt: skip
+
+    def owner(self, episode_id: str) -> GatewayReplica:
+        return owner(episode_id, self.replicas)
+
+    def admin(self, episode_id: str) -> GatewayAdmin:
+        """The admin API of the episode's owner."""
+        return self._admins[self.owner(episode_id).name]
+
+    async def close(self) -> None:
+        for admin in self._admins.values():
+            await admin.close()

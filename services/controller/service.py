@@ -35,7 +35,7 @@ from harnessrl.runtime import Runtime
 from harnessrl.services.controller.admission import Admission
 from harnessrl.services.controller.config import MAX_GROUP_SIZE, ControllerConfig, HarnessSpec
 from harnessrl.services.controller.episodes import EpisodeRunner, EpisodeTask
-from harnessrl.services.controller.gateway_admin import GatewayAdmin
+from harnessrl.services.controller.gateway_admin import Gateways
 from harnessrl.services.controller.lifecycle import Ledger
 from harnessrl.services.controller.runner import Runner
 from harnessrl.v1 import events_pb2 as pb
@@ -113,18 +113,18 @@ class ControllerService:
                 max_staleness=section.max_staleness,
                 engines=section.engines,
             )
-            gateway = GatewayAdmin(
-                section.gateway_admin_url or section.gateway_url,
+            gateways = Gateways(
+                section.replicas,
                 section.admin_token.get_secret_value(),
                 timeout_s=section.close_timeout_s,
             )
-            stack.push_async_callback(gateway.close)
+            stack.push_async_callback(gateways.close)
             self._episodes = EpisodeRunner(
                 section,
                 runner=runner,
                 producer=producer,
                 admission=admission,
-                gateway=gateway,
+                gateways=gateways,
                 tracer=runtime.tracer_provider.get_tracer("harnessrl.controller"),
                 recovered=recovered,
                 metrics=self.metrics,

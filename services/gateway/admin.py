@@ -56,7 +56,9 @@ class Admin:
         producer: Producer,
         metrics: GatewayMetrics,
         status: Any,
+        replica: str = "",
     ) -> None:
+        self._replica = replica
         self._token = token
         self._book = book
         self._gate = gate
@@ -113,11 +115,23 @@ class Admin:
         if not isinstance(group_id, str) or not group_id:
             return _problem(400, "group_id: required, a non-empty string")
         reason = str(body.get("reason", "finished"))
+        owner = body.get("gateway", self._replica)
+        if owner != self._replica:  # closing it here would count none of its calls
+            return _problem(
+                421,
+                f"gateway: episode {episode_id} belongs to replica {owner!r}, not this one "
+                f"({self._replica or '(unnamed)'!r}): close it there",
+            )
         key = (episode_id, attempt)
         task = self._closing.get(key)
         if task is None:
             claims = EpisodeClaims(
-                episode_id, attempt, group_id, "train", time.time() + CLOSED_RETENTION_S
+                episode_id,
+                attempt,
+                group_id,
+                "train",
+                time.time() + CLOSED_RETENTION_S,
+                gateway=self._replica,
             )
             task = self._closing[key] = asyncio.create_task(self._close_once(claims, reason))
         try:
@@ -140,6 +154,7 @@ class Admin:
                     group_id=claims.group_id,
                     call_count=episode.calls,
                     reason=reason,
+                    gateway=self._replica,
                 )
             )
             episode.closed_count = episode.calls

@@ -100,8 +100,10 @@ class GatewayApp:
         registry: CollectorRegistry,
         health: Callable[[], dict[str, bool]],
         max_depth: int,
+        replica: str = "",
     ) -> None:
         self._life = lifecycle
+        self._replica = replica
         self._admin = admin
         self._responses = responses
         self._dialects = dialects
@@ -164,7 +166,7 @@ class GatewayApp:
                 self._check_same_episode(claims, other)
         except TokenError as err:
             self._life.metrics.refused(err.reason).inc()
-            status = 403 if err.reason == "other_episode" else 401
+            status = _TOKEN_STATUS.get(err.reason, 401)
             return render(shape, GatewayError(status, str(err)))
         episode.append(claims.episode_id)
         try:
@@ -232,6 +234,13 @@ class GatewayApp:
                     "missing", "episode token: none given (in the path, or as the API key)"
                 )
             claims = verify(token, self._secrets)
+            if claims.gateway != self._replica:
+                raise TokenError(
+                    "other_replica",
+                    f"episode token: episode {claims.episode_id} belongs to gateway replica "
+                    f"{claims.gateway or '(unnamed)'!r}, not this one "
+                    f"({self._replica or '(unnamed)'!r}): send its calls to that replica's URL",
+                )
             if len(self._claims) >= _CACHE_LIMIT:
                 self._claims.clear()
             self._claims[token] = claims
@@ -248,6 +257,11 @@ class GatewayApp:
             raise TokenError(
                 "other_episode", "episode token: the API key is the token of another episode"
             )
+
+
+_TOKEN_STATUS = {"other_episode": 403, "other_replica": 421}
+"""HTTP status of a refused token, by reason (401 otherwise): 421 Misdirected Request for a
+token another gateway replica owns."""
 
 
 class AdminApp:

@@ -113,6 +113,7 @@ def model_calls(
             response_body=exchange.response_body,
             bodies_truncated=exchange.bodies_truncated,
             constrained=exchange.constrained,
+            gateway=claims.gateway,
         )
         call.started_at.FromNanoseconds(exchange.started_ns)
         calls.append(call)

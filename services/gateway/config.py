@@ -39,6 +39,11 @@ class GatewaySection(ServiceSection):
     its token only."""
     admin_host: str | None = None
     """Interface the admin port binds to (default: `host`)."""
+    replica: str = Field(default="", max_length=128)
+    """This replica's name, when several gateways share the episodes (the controller's
+    `gateways[].name`; in Kubernetes the pod name): it accepts only tokens that name it
+    (421 otherwise, nothing captured), closes only its own episodes, and recovers only its
+    own from hrl.calls. "" for a deployment of one gateway."""
     engines: list[str] = ["http://127.0.0.1:8100"]
     """Base URLs of the inference engines; an episode sticks to one (rendezvous hashing)."""
     engine_model: str | None = None

@@ -25,10 +25,16 @@ log = get_logger(__name__)
 
 
 async def recover(
-    kafka: KafkaSettings, producer: Producer, *, window_s: float, client_id: str
+    kafka: KafkaSettings,
+    producer: Producer,
+    *,
+    window_s: float,
+    client_id: str,
+    replica: str = "",
 ) -> dict[Key, Restored]:
-    """The state of every episode attempt with a record on hrl.calls in the window, once
-    this gateway's own spilled records are on the topic. Retries while Kafka is away."""
+    """The state of every episode attempt of this replica (its records carry `replica` as
+    their `gateway`) with a record on hrl.calls in the window, once this gateway's own
+    spilled records are on the topic. Retries while Kafka is away."""
     started = time.monotonic()
     while not await producer.flush(timeout=30.0):
         log.warning("recovery: spilled ModelCalls not yet sent; waiting for the broker")
@@ -40,6 +46,8 @@ async def recover(
         async for kind, event, _ in read_to_end(
             kafka, events.CALLS, client_id=client_id, since_ms=since_ms
         ):
+            if event.gateway != replica:  # type: ignore[attr-defined]
+                continue  # another replica's episode: it recovers it
             if kind == "model_call":
                 key = (event.episode_id, event.attempt)  # type: ignore[attr-defined]
                 calls[key] = max(calls.get(key, 0), event.seq + 1)  # type: ignore[attr-defined]

@@ -129,7 +129,9 @@ class GatewayService:
                 gate=self.gate,
                 producer=producer,
                 metrics=metrics,
+                replica=section.replica,
                 status=lambda: {
+                    "replica": section.replica,
                     "engines": section.engines,
                     "engine_model": engine_model,
                     "engine_versions": dict(self.versions.snapshot()),
@@ -158,6 +160,7 @@ class GatewayService:
                 registry=runtime.registry,
                 health=self.health,
                 max_depth=section.max_json_depth,
+                replica=section.replica,
             )
             self.app = app
             self.server = await self._serve(app, section.host, section.port, stack)
@@ -252,6 +255,7 @@ class GatewayService:
             producer,
             window_s=self._config.gateway.recovery_window_s,
             client_id=f"{self._runtime.producer_name}/recover",
+            replica=self._config.gateway.replica,
         )
         self.book.restore(state)
         self.recovery.resume()

@@ -38,8 +38,21 @@ QUESTION: list[Any] = [{"role": "user", "content": "What is 12 plus 30?"}]
 
 
 class Gateway:
-    def __init__(self, bootstrap: str, engine_port: int, port: int, tmp: Path) -> None:
+    """`harnessrl gateway` as a child process, named `instance` (its spill directory under
+    `tmp` too), answering as gateway replica `replica`."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        engine_port: int,
+        port: int,
+        tmp: Path,
+        *,
+        instance: str = "gw-restart",
+        replica: str = "",
+    ) -> None:
         self.url = f"http://127.0.0.1:{port}"
+        self.replica = replica
         self._argv = [
             *(sys.executable, "-m", "harnessrl", "gateway", "--port", str(port)),
             *("--engine", f"http://127.0.0.1:{engine_port}", "--bootstrap", bootstrap),
@@ -49,10 +62,11 @@ class Gateway:
             "HARNESSRL_GATEWAY__TOKEN_SECRET": SECRET,
             "HARNESSRL_GATEWAY__ADMIN_TOKEN": ADMIN,
             "HARNESSRL_GATEWAY__PAUSE_HOLD_S": "30",
-            "HARNESSRL_INSTANCE": "gw-restart",
-            "HARNESSRL_PRODUCER__SPILL_DIR": str(tmp / "spill"),
+            "HARNESSRL_INSTANCE": instance,
+            "HARNESSRL_GATEWAY__REPLICA": replica,
+            "HARNESSRL_PRODUCER__SPILL_DIR": str(tmp / f"spill-{instance}"),
         }
-        self._log = tmp / "gateway.log"
+        self._log = tmp / f"{instance}.log"
         self.process: subprocess.Popen[bytes] | None = None
 
     async def start(self) -> None:

@@ -441,6 +441,7 @@ class ModelCall(_message.Message):
     RESPONSE_BODY_FIELD_NUMBER: _builtins.int
     BODIES_TRUNCATED_FIELD_NUMBER: _builtins.int
     CONSTRAINED_FIELD_NUMBER: _builtins.int
+    GATEWAY_FIELD_NUMBER: _builtins.int
     episode_id: _builtins.str
     """Episode the call belongs to, from the episode token."""
     attempt: _builtins.int
@@ -490,6 +491,11 @@ class ModelCall(_message.Message):
     which the trainer cannot recompute: the sample builder keeps the call's completion in
     its chain with loss mask 0 (token books reason "constrained").
     """
+    gateway: _builtins.str
+    """Name of the gateway replica that owns the episode and captured the call (its
+    `gateway.replica`, the episode token's replica); "" for a single unnamed gateway. A
+    restarted replica recovers only the episodes whose calls carry its name.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids exactly as the engine tokenized and saw them (packed)."""
@@ -536,10 +542,11 @@ class ModelCall(_message.Message):
         response_body: _builtins.bytes = ...,
         bodies_truncated: _builtins.bool = ...,
         constrained: _builtins.str = ...,
+        gateway: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api", b"api", "attempt", b"attempt", "bodies_truncated", b"bodies_truncated", "completion_logprobs", b"completion_logprobs", "completion_token_ids", b"completion_token_ids", "constrained", b"constrained", "engine", b"engine", "episode_id", b"episode_id", "finish_reason", b"finish_reason", "group_id", b"group_id", "latency_ms", b"latency_ms", "mode", b"mode", "model", b"model", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "request_body", b"request_body", "response_body", b"response_body", "seq", b"seq", "span_id", b"span_id", "started_at", b"started_at", "stream", b"stream", "temperature", b"temperature", "top_p", b"top_p", "trace_id", b"trace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api", b"api", "attempt", b"attempt", "bodies_truncated", b"bodies_truncated", "completion_logprobs", b"completion_logprobs", "completion_token_ids", b"completion_token_ids", "constrained", b"constrained", "engine", b"engine", "episode_id", b"episode_id", "finish_reason", b"finish_reason", "gateway", b"gateway", "group_id", b"group_id", "latency_ms", b"latency_ms", "mode", b"mode", "model", b"model", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "request_body", b"request_body", "response_body", b"response_body", "seq", b"seq", "span_id", b"span_id", "started_at", b"started_at", "stream", b"stream", "temperature", b"temperature", "top_p", b"top_p", "trace_id", b"trace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -558,6 +565,7 @@ class EpisodeClosed(_message.Message):
     GROUP_ID_FIELD_NUMBER: _builtins.int
     CALL_COUNT_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    GATEWAY_FIELD_NUMBER: _builtins.int
     episode_id: _builtins.str
     """Episode that was closed."""
     attempt: _builtins.int
@@ -568,6 +576,10 @@ class EpisodeClosed(_message.Message):
     """Number of ModelCall events the gateway published for the attempt (seq 0..count-1)."""
     reason: _builtins.str
     """Why it was closed: "finished" (controller), "expired" (token expiry), ..."""
+    gateway: _builtins.str
+    """Name of the gateway replica that owns the episode and closed it ("" for a single
+    unnamed gateway).
+    """
     def __init__(
         self,
         *,
@@ -576,10 +588,11 @@ class EpisodeClosed(_message.Message):
         group_id: _builtins.str = ...,
         call_count: _builtins.int = ...,
         reason: _builtins.str = ...,
+        gateway: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "call_count", b"call_count", "episode_id", b"episode_id", "group_id", b"group_id", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "call_count", b"call_count", "episode_id", b"episode_id", "gateway", b"gateway", "group_id", b"group_id", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
