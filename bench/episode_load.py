@@ -25,7 +25,7 @@ import openai
 
 from harnessrl.cli.common import Progress
 from harnessrl.episode_token import EpisodeClaims, mint
-from harnessrl.services.controller.gateway_admin import GatewayAdmin
+from harnessrl.services.controller.gateway_admin import Gateways
 
 EPISODE_TIMEOUT_S = 120.0
 """Lifetime of an episode's token: the gateway forgets a closed episode once it expires."""
@@ -59,6 +59,8 @@ class Tally:
     calls: int = 0  # 2xx answers
     episodes: int = 0
     errors: Counter[str] = field(default_factory=Counter)
+    by_replica: Counter[str] = field(default_factory=Counter)
+    """Calls the harnesses made, by the gateway replica that owned their episode."""
 
     def answered(self, status: int, seconds: float) -> None:
         with self.lock:
@@ -118,10 +120,11 @@ def sdk_http_client(tally: Tally, connections: int) -> Any:
 
 @dataclass(frozen=True)
 class Closing:
-    """How episodes are closed: the controller's client, run on `loop` (a running event
-    loop in another thread); `timeout_s` bounds one close, its retries included."""
+    """Where episodes go and how they are closed: the controller's own router and clients
+    (each episode at the replica that owns it), run on `loop` (a running event loop in
+    another thread); `timeout_s` bounds one close, its retries included."""
 
-    admin: GatewayAdmin
+    gateways: Gateways
     loop: asyncio.AbstractEventLoop
     timeout_s: float
 
@@ -195,11 +198,20 @@ class Load:
         while not self._stop.is_set() and time.monotonic() < self._deadline:
             n += 1
             episode_id = f"{self.name}-{slot}-{n}"
+            base_url, replica = self._base_url, ""
+            if self._closing is not None:  # through the gateways: the episode's owner
+                owner = self._closing.gateways.owner(episode_id)
+                base_url, replica = f"{owner.url}/v1", owner.name
             claims = EpisodeClaims(
-                episode_id, 1, f"g-{episode_id}", "train", time.time() + EPISODE_TIMEOUT_S
+                episode_id,
+                1,
+                f"g-{episode_id}",
+                "train",
+                time.time() + EPISODE_TIMEOUT_S,
+                gateway=replica,
             )
             client = openai.OpenAI(
-                base_url=self._base_url,
+                base_url=base_url,
                 api_key=mint(claims, self._secret),
                 http_client=self._http,
             )
@@ -209,6 +221,9 @@ class Load:
                 calls = int(self._harness.solve(client, question)["calls"])
             except Exception as err:  # what would have ended the harness's process
                 self.tally.error(f"harness {type(err).__name__}")
+            else:
+                with self.tally.lock:
+                    self.tally.by_replica[replica] += calls
             if self._closing is not None and not self._stop.is_set():
                 self._close(self._closing, claims, calls)
             with self.tally.lock:
@@ -217,7 +232,7 @@ class Load:
     def _close(self, closing: Closing, claims: EpisodeClaims, calls: int | None) -> None:
         """Close as the controller does once the harness exits; check its call count."""
         started = time.perf_counter()
-        coroutine = closing.admin.close_episode(
+        coroutine = closing.gateways.admin(claims.episode_id).close_episode(
             claims.episode_id, claims.attempt, claims.group_id, "finished"
         )
         future = asyncio.run_coroutine_threadsafe(coroutine, closing.loop)

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from typing import Any
 import orjson
 
 from harnessrl.bench.episode_load import Closing, Load, calculator
-from harnessrl.services.controller.gateway_admin import GatewayAdmin
+from harnessrl.services.controller.gateway_admin import Gateways
 
 SECRET, ADMIN = "bench-load-secret-0123456789abcdef", "bench-load-admin-0123456789abcdef012"
 CLOSE_TIMEOUT_S = 30.0
@@ -71,15 +72,18 @@ class Usage:
         return cls(rss, (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK"))
 
 
-async def _phase(load: Load, gateway: asyncio.subprocess.Process | None = None) -> float:
-    """Run `load` on a thread; its wall time. If `gateway` exits meanwhile, that is an error
+async def _phase(load: Load, gateways: Sequence[asyncio.subprocess.Process] = ()) -> float:
+    """Run `load` on a thread; its wall time. If a gateway exits meanwhile, that is an error
     and no new episode starts. When cancelled (Ctrl-C), its episodes in flight end first."""
     task = asyncio.ensure_future(asyncio.to_thread(load.run))
-    watch = asyncio.ensure_future(gateway.wait() if gateway else asyncio.Event().wait())
+    exits = [g.wait() for g in gateways] or [asyncio.Event().wait()]
+    watch = asyncio.ensure_future(asyncio.wait(
+        [asyncio.ensure_future(e) for e in exits], return_when=asyncio.FIRST_COMPLETED
+    ))  # fmt: skip
     try:
         await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
-            load.tally.error(f"gateway exited with status {watch.result()} under load")
+            load.tally.error("a gateway exited under load")
             load.stop()
         return await asyncio.shield(task)
     finally:
@@ -107,14 +111,16 @@ async def _captured(bootstrap: str, prefix: str) -> tuple[int, int]:
 
 
 async def _gateway(
-    bootstrap: str, engine_port: int, port: int, spill: str
+    bootstrap: str, engine_port: int, port: int, spill: str, replica: str
 ) -> asyncio.subprocess.Process:
     env = {
         **os.environ,
         "HARNESSRL_GATEWAY__TOKEN_SECRET": SECRET,
         "HARNESSRL_GATEWAY__ADMIN_TOKEN": ADMIN,
+        "HARNESSRL_GATEWAY__REPLICA": replica,
+        "HARNESSRL_INSTANCE": replica,
         "HARNESSRL_LOG__LEVEL": "WARNING",
-        "HARNESSRL_PRODUCER__SPILL_DIR": spill,
+        "HARNESSRL_PRODUCER__SPILL_DIR": f"{spill}/{replica}",
         # After a Ctrl-C the broker is gone (it got the terminal's SIGINT too), and the
         # gateway's producer would wait the default 20 s for it.
         "HARNESSRL_GATEWAY__SHUTDOWN_TIMEOUT_S": "5",
@@ -143,39 +149,46 @@ async def _stop(process: asyncio.subprocess.Process) -> None:
 
 
 async def _main(args: argparse.Namespace, log: Any) -> dict[str, Any]:
-    """Start the broker, the stand-in and the gateway, run both phases, stop them all."""
+    """Start the broker, the stand-in and the gateways, run both phases, stop them all."""
     from harnessrl.bench import calculator_standin
     from harnessrl.bench.gateway import wait_http
     from harnessrl.broker import EmbeddedBroker, free_ports
+    from harnessrl.services.controller.config import GatewayReplica
 
-    engine_port, gateway_port = free_ports(2)
-    engine, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
+    engine_port, *ports = free_ports(1 + args.gateways)
+    engine = f"http://127.0.0.1:{engine_port}"
+    replicas = [
+        GatewayReplica(name=f"gw-{i}", url=f"http://127.0.0.1:{port}")
+        for i, port in enumerate(ports)
+    ]
     broker = EmbeddedBroker(port=0)
     await broker.start()
     standin = multiprocessing.get_context("spawn").Process(
         target=calculator_standin.serve, args=(engine_port,), daemon=True
     )
     standin.start()
-    gateway: asyncio.subprocess.Process | None = None
-    admin = GatewayAdmin(gateway_url, ADMIN, timeout_s=CLOSE_TIMEOUT_S)
+    processes: list[asyncio.subprocess.Process] = []
+    router = Gateways(replicas, ADMIN, timeout_s=CLOSE_TIMEOUT_S)
     spill = tempfile.TemporaryDirectory(prefix="harnessrl-bench-load-")
     try:
-        gateway = await _gateway(broker.bootstrap, engine_port, gateway_port, spill.name)
+        for replica, port in zip(replicas, ports, strict=True):
+            processes.append(
+                await _gateway(broker.bootstrap, engine_port, port, spill.name, replica.name)
+            )
         await asyncio.to_thread(wait_http, f"{engine}/v1/models")
-        await asyncio.to_thread(wait_http, f"{gateway_url}/healthz")
-        log(f"broker, stand-in engine and gateway up; {args.episodes} concurrent episodes")
+        for replica in replicas:
+            await asyncio.to_thread(wait_http, f"{replica.url}/healthz")
+        log(
+            f"broker, stand-in engine and {len(replicas)} gateway(s) up; "
+            f"{args.episodes} concurrent episodes"
+        )
         return await _run(
-            args,
-            engine=engine,
-            gateway_url=gateway_url,
-            gateway=gateway,
-            admin=admin,
-            bootstrap=broker.bootstrap,
+            args, engine=engine, gateways=processes, router=router, bootstrap=broker.bootstrap
         )
     finally:
-        await admin.close()
-        if gateway is not None:
-            await _stop(gateway)
+        await router.close()
+        for process in processes:
+            await _stop(process)
         standin.terminate()
         await asyncio.to_thread(standin.join, 10)
         await broker.stop()
@@ -186,9 +199,8 @@ async def _run(
     args: argparse.Namespace,
     *,
     engine: str,
-    gateway_url: str,
-    gateway: asyncio.subprocess.Process,
-    admin: GatewayAdmin,
+    gateways: list[asyncio.subprocess.Process],
+    router: Gateways,
     bootstrap: str,
 ) -> dict[str, Any]:
     """The baseline phase, the gateway phase, and the read-back of hrl.calls."""
@@ -208,20 +220,41 @@ async def _run(
 
     base = load("baseline", f"{engine}/v1", args.baseline_seconds)
     base_wall = await _phase(base)
-    closing = Closing(admin, asyncio.get_running_loop(), CLOSE_TIMEOUT_S + 10)
-    through = load("gateway", f"{gateway_url}/v1", args.seconds, closing)
-    before, load_cpu = Usage.of(gateway.pid), time.process_time()
-    wall = await _phase(through, gateway)
-    after, load_cpu = Usage.of(gateway.pid), time.process_time() - load_cpu
+    closing = Closing(router, asyncio.get_running_loop(), CLOSE_TIMEOUT_S + 10)
+    through = load("gateway", "", args.seconds, closing)
+    before, load_cpu = [Usage.of(g.pid) for g in gateways], time.process_time()
+    wall = await _phase(through, gateways)
+    after, load_cpu = [Usage.of(g.pid) for g in gateways], time.process_time() - load_cpu
     captured, closed = await _captured(bootstrap, "gateway-")
     result = _result(args, (through, wall), (base, base_wall), captured, closed)
     per_call = 1000 / max(through.tally.calls, 1)
-    if before is not None and after is not None:
-        result["gateway_rss_mb_start"] = round(before.rss_mb, 1)
-        result["gateway_rss_mb_end"] = round(after.rss_mb, 1)
-        result["gateway_cpu_ms_per_call"] = round((after.cpu_s - before.cpu_s) * per_call, 3)
+    if all(u is not None for u in [*before, *after]):
+        start = sum(u.rss_mb for u in before if u is not None)
+        end = sum(u.rss_mb for u in after if u is not None)
+        cpu = sum(a.cpu_s - b.cpu_s for a, b in zip(after, before, strict=True) if a and b)
+        result["gateway_rss_mb_start"] = round(start, 1)
+        result["gateway_rss_mb_end"] = round(end, 1)
+        result["gateway_cpu_ms_per_call"] = round(cpu * per_call, 3)
+        result["replicas"] = {
+            replica.name: _replica_figures(through.tally.by_replica[replica.name], wall, b, a)
+            for replica, b, a in zip(router.replicas, before, after, strict=True)
+        }
+    result["gateways"] = len(gateways)
     result["load_cpu_ms_per_call"] = round(load_cpu * per_call, 3)
     return result
+
+
+def _replica_figures(calls: int, wall: float, before: Any, after: Any) -> dict[str, Any]:
+    """One replica's share: its calls, calls/s, CPU per call, and calls per CPU-second (what
+    one core of it carries at that rate), and its memory."""
+    cpu = after.cpu_s - before.cpu_s
+    return {
+        "calls": calls,
+        "calls_per_s": round(calls / wall, 1),
+        "cpu_ms_per_call": round(cpu * 1000 / max(calls, 1), 3),
+        "calls_per_cpu_s": round(calls / cpu, 1) if cpu > 0 else None,
+        "rss_mb_end": round(after.rss_mb, 1),
+    }
 
 
 def _result(

@@ -17,9 +17,11 @@ KEYS = ("episodes", "calls", "errors", "p50_ms", "p99_ms", "max_ms", "captured",
 RATIOS = ("p50_ratio", "p99_ratio", "throughput_ratio")
 
 
-def test_bench_load_runs_without_errors_and_captures_every_answered_call() -> None:
+@pytest.mark.parametrize("gateways", [1, 2])
+def test_bench_load_runs_without_errors_and_captures_every_answered_call(gateways: int) -> None:
     command = [sys.executable, "-m", "harnessrl", "bench", "load", "--json"]
     short = ["--episodes", "16", "--seconds", "5", "--baseline-seconds", "1"]
+    short += ["--gateways", str(gateways)]
     done = subprocess.run(
         [*command, *short], capture_output=True, text=True, timeout=120, check=False
     )
@@ -37,3 +39,8 @@ def test_bench_load_runs_without_errors_and_captures_every_answered_call() -> No
     assert 2 * result["episodes"] <= result["calls"] <= 4 * result["episodes"]
     assert result["captured"] == result["calls"]
     assert "bench load: gateway" in done.stderr and "0 errors" in done.stderr
+    # each replica carried its own episodes' calls (rendezvous hashing spreads them)
+    replicas = result["replicas"]
+    assert result["gateways"] == gateways and len(replicas) == gateways, result
+    assert sum(r["calls"] for r in replicas.values()) == result["calls"]
+    assert all(r["calls"] > 0 for r in replicas.values()), replicas

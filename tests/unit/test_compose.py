@@ -46,13 +46,16 @@ SECRETS = {
 SERVICES: dict[str, tuple[type[ServiceConfig], str]] = {
     "controller": (ControllerConfig, "controller"),
     "gateway": (GatewayConfig, "gateway"),
+    "gateway-1": (GatewayConfig, "gateway"),
     "inference": (InferenceConfig, "inference"),
     "reward": (RewardConfig, "reward"),
     "sample-builder": (SampleBuilderConfig, "sample_builder"),
     "trainer": (TrainerConfig, "trainer"),
     "vllm-sync": (VllmSyncConfig, "vllm_sync"),
 }
-PROFILED = {"vllm-sync": ["gpu"]}
+PROFILED = {"vllm-sync": ["gpu"], "gateway-1": ["two-gateways"]}
+REPLICA_OF = {"gateway-1": "gateway"}
+"""Services that are another replica of a harnessrl service (the command they run)."""
 """harnessrl services that start only with a profile."""
 LONG_RUNNING = {"kafka", "jaeger", *SERVICES, "vllm", "custom-reward"}
 HEALTHZ = re.compile(r"urlopen\('http://127\.0\.0\.1:(\d+)/healthz'")
@@ -288,7 +291,8 @@ def test_every_harnessrl_service_runs_a_real_subcommand_with_real_flags() -> Non
     for name in SERVICES:
         command = services[name]["command"]
         assert isinstance(command, list), f"{name}: use the exec form of command"
-        assert command[0] == name, f"service {name} runs `harnessrl {command[0]}`"
+        runs = REPLICA_OF.get(name, name)
+        assert command[0] == runs, f"service {name} runs `harnessrl {command[0]}`"
         assert command[0] in commands, f"{name}: harnessrl has no subcommand {command[0]}"
         assert "entrypoint" not in services[name], f"{name}: the image's entrypoint is harnessrl"
         try:
@@ -358,7 +362,6 @@ def test_the_engine_serves_the_mounted_model(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_gateway_and_controller_reach_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
     data = compose()
-    services = data["services"]
     gateway = load_service(data, "gateway", monkeypatch)
     controller = load_service(data, "controller", monkeypatch)
     engine = load_service(data, "inference", monkeypatch)
@@ -370,9 +373,35 @@ def test_gateway_and_controller_reach_each_other(monkeypatch: pytest.MonkeyPatch
         assert section.token_secret is not None and section.admin_token is not None
         assert section.token_secret.get_secret_value() == SECRETS["HARNESSRL_TOKEN_SECRET"]
         assert section.admin_token.get_secret_value() == SECRETS["HARNESSRL_ADMIN_TOKEN"]
-    url = urlsplit(controller.controller.gateway_url)
-    assert (url.hostname, url.port) == ("gateway", gateway.gateway.port)
-    assert url.hostname in services
+    assert [r.name for r in controller.controller.replicas] == ["gateway-0"]
+    check_replicas(data, controller, monkeypatch)
+
+
+def check_replicas(data: Obj, controller: ServiceConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each replica the controller lists is a gateway service of that replica name, at the
+    port it listens on."""
+    assert isinstance(controller, ControllerConfig)
+    for replica in controller.controller.replicas:
+        url = urlsplit(replica.url)
+        assert url.hostname in data["services"], replica
+        gateway = load_service(data, str(url.hostname), monkeypatch)
+        assert isinstance(gateway, GatewayConfig)
+        assert gateway.gateway.replica == replica.name
+        assert url.port == gateway.gateway.port
+
+
+def test_the_two_gateways_override_lists_both_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = compose()
+    override = yaml.safe_load((ROOT / "deploy" / "compose" / "two-gateways.yml").read_text())
+    for name, service in override["services"].items():  # what `-f A -f B` merges
+        merged = data["services"][name]
+        merged["environment"] = {**environment(merged), **service.get("environment", {})}
+        merged["depends_on"] = {**merged.get("depends_on", {}), **service.get("depends_on", {})}
+    validate(data)
+    controller = load_service(data, "controller", monkeypatch)
+    assert isinstance(controller, ControllerConfig)
+    assert [r.name for r in controller.controller.replicas] == ["gateway-0", "gateway-1"]
+    check_replicas(data, controller, monkeypatch)
 
 
 def test_controller_runs_the_calculator_harness_locally(monkeypatch: pytest.MonkeyPatch) -> None:

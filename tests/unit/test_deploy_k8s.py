@@ -28,7 +28,7 @@ import yaml
 
 from harnessrl.cli import build_parser
 from harnessrl.config import PLACEHOLDER_PREFIX, ServiceConfig, load_config
-from harnessrl.services.controller.config import ControllerConfig
+from harnessrl.services.controller.config import ControllerConfig, GatewayReplica
 from harnessrl.services.controller.kubernetes_job import JobTemplate
 from harnessrl.services.controller.runner import LaunchSpec
 from harnessrl.services.gateway.config import GatewayConfig
@@ -45,11 +45,21 @@ pytestmark = pytest.mark.skipif(
 Obj = dict[str, Any]
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERLAYS = ("external-kafka", "strimzi", "trainer-multinode", "trainer-multinode-job")
+OVERLAYS = (
+    "external-kafka",
+    "strimzi",
+    "trainer-multinode",
+    "trainer-multinode-job",
+    "gateway-replicas",
+)
 # The overlays whose trainer is a torchrun job over several pods: the kind of its workload.
 MULTINODE = {"trainer-multinode": "StatefulSet", "trainer-multinode-job": "Job"}
 # Whose secrets.env an overlay reads, when not its own (it is built on that overlay).
-SECRETS_FROM = {"trainer-multinode": "external-kafka", "trainer-multinode-job": "external-kafka"}
+SECRETS_FROM = {
+    "trainer-multinode": "external-kafka",
+    "trainer-multinode-job": "external-kafka",
+    "gateway-replicas": "external-kafka",
+}
 NAMESPACE = "harnessrl"
 PART_OF = "app.kubernetes.io/part-of"
 HARNESS_SELECTOR = {"app.kubernetes.io/component": "harness"}
@@ -299,11 +309,13 @@ def load_service_config(
     container: Obj,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    fields: dict[str, str] = POD_FIELDS,
 ) -> ServiceConfig:
     """Load the container's service config exactly as it would in the pod: the mounted
-    $HARNESSRL_CONFIG plus its environment (and nothing of this test process's)."""
+    $HARNESSRL_CONFIG plus its environment (and nothing of this test process's), the
+    downward API's values taken from `fields`."""
     cls, _ = SERVICES[command_of(container)]
-    env = container_env(objects, container)
+    env = container_env(objects, container, fields)
     config_path = env.pop("HARNESSRL_CONFIG", None)
     assert config_path, f"{container['name']}: HARNESSRL_CONFIG is not set"
     local = tmp_path / f"{container['name']}.yaml"
@@ -360,7 +372,10 @@ def rendered_job(objects: tuple[Obj, ...]) -> Obj:
         group_id=SAMPLE["GROUP_ID"],
         task_id=SAMPLE["TASK_ID"],
         command=tuple(SAMPLE_COMMAND),
-        env={"OPENAI_BASE_URL": "http://gateway:8000/e/tok/v1", "OPENAI_API_KEY": "tok"},
+        env={
+            "OPENAI_BASE_URL": "http://gateway-0.gateway-headless:8000/e/tok/v1",
+            "OPENAI_API_KEY": "tok",
+        },
         timeout_s=600.0,
     )
     return template.render(spec, namespace=NAMESPACE, ttl_seconds=600)
@@ -602,10 +617,7 @@ def check_controller(
     section = config.controller
     assert section.runner == "kubernetes"
     assert section.harness is not None
-    check_url(section.gateway_url, services, "gateway")
-    assert section.gateway_admin_url is not None
-    check_url(section.gateway_admin_url, services, "gateway")
-    assert urlsplit(section.gateway_admin_url).port != urlsplit(section.gateway_url).port
+    check_gateway_replicas(objects, section.replicas)
     kube = section.kubernetes
     assert kube is not None
     assert kube.namespace == NAMESPACE
@@ -613,6 +625,84 @@ def check_controller(
     assert kube.delete_after_collect, "the Role grants no patch (labelling collected Jobs)"
     text = mounted_file(objects, pod, container, str(kube.job_template))
     assert text == job_template_text(objects)
+
+
+def gateway_pods(objects: tuple[Obj, ...]) -> tuple[Obj, Obj, list[str]]:
+    """(StatefulSet, gateway container, its pods' names gateway-0 ... gateway-<N-1>)."""
+    gateway = named(objects, "StatefulSet", "gateway")
+    (container,) = gateway["spec"]["template"]["spec"]["containers"]
+    replicas = int(gateway["spec"].get("replicas", 1))
+    assert replicas >= 1
+    return gateway, container, [pod_metadata(gateway, i)[0] for i in range(replicas)]
+
+
+def check_gateway_replicas(objects: tuple[Obj, ...], replicas: list[GatewayReplica]) -> None:
+    """The controller's gateways are the StatefulSet's pods, each at its per-pod DNS name
+    under the headless Service: harness APIs on the http port, the admin API on the admin
+    port."""
+    gateway, container, pods = gateway_pods(objects)
+    assert [r.name for r in replicas] == pods, (
+        f"controller.gateways {[r.name for r in replicas]} are not the gateway pods {pods}"
+    )
+    headless = gateway["spec"]["serviceName"]
+    ports = service_ports(objects)[headless]
+    selector = named(objects, "Service", headless)["spec"]["selector"]
+    for index, replica in enumerate(replicas):
+        assert selects(selector, pod_metadata(gateway, index)[1]), f"{replica.name}: no DNS name"
+        assert replica.admin_url is not None, f"{replica.name}: admin API on the harness port"
+        for url, port in ((replica.url, "http"), (replica.admin_url, "admin")):
+            parts = urlsplit(url)
+            assert parts.scheme == "http", url
+            assert parts.hostname == f"{replica.name}.{headless}", f"{url}: not the pod's name"
+            assert parts.port in ports, f"{url}: {headless} has no such port"
+            assert parts.port == port_number(container, port), f"{url}: not the {port} port"
+        assert urlsplit(replica.admin_url).port != urlsplit(replica.url).port
+
+
+def test_each_gateway_pod_is_the_replica_of_its_name(
+    objects: tuple[Obj, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gateway, container, pods = gateway_pods(objects)
+    (env,) = [e for e in container["env"] if e["name"] == "HARNESSRL_GATEWAY__REPLICA"]
+    assert env["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    pod = gateway["spec"]["template"]["spec"]
+    for index, name in enumerate(pods):
+        config = load_service_config(
+            objects, pod, container, tmp_path, monkeypatch, pod_fields(gateway, index)
+        )
+        assert isinstance(config, GatewayConfig)
+        assert config.gateway.replica == name
+
+
+def test_harness_pods_reach_every_gateway_replica_but_not_its_admin_port(
+    objects: tuple[Obj, ...],
+) -> None:
+    gateway, container, pods = gateway_pods(objects)
+    harness = rendered_job(objects)["spec"]["template"]["metadata"]["labels"]
+    controller = named_labels(objects, "controller")
+    for index in range(len(pods)):
+        labels = pod_metadata(gateway, index)[1]
+        assert connects(objects, harness, labels, port_number(container, "http"))
+        assert not connects(objects, harness, labels, port_number(container, "admin"))
+        assert connects(objects, controller, labels, port_number(container, "admin"))
+
+
+def test_gateway_replicas_overlay_runs_three_and_the_controller_knows_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    objects = _render("gateway-replicas")
+    gateway = named(objects, "StatefulSet", "gateway")
+    assert gateway["spec"]["replicas"] == 3
+    controller = named(objects, "Deployment", "controller")
+    pod = controller["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    config = load_service_config(objects, pod, container, tmp_path, monkeypatch)
+    assert isinstance(config, ControllerConfig)
+    # The overlay's HARNESSRL_CONTROLLER__GATEWAYS wins over the config file's one gateway.
+    assert [r.name for r in config.controller.replicas] == ["gateway-0", "gateway-1", "gateway-2"]
+    check_gateway_replicas(objects, config.controller.replicas)
+    # The base keeps one (and its config file lists that one: check_controller).
+    assert named(_render("external-kafka"), "StatefulSet", "gateway")["spec"]["replicas"] == 1
 
 
 # -- the harness Job template ------------------------------------------------------------

@@ -207,6 +207,13 @@ def _register_load(sub: Any) -> None:
     load.add_argument("--json", action="store_true", help="print only the JSON line")
     load.add_argument("--episodes", type=int, default=256, help="concurrent episodes (default 256)")
     load.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gateway replicas, each episode at the one that owns it (default 1)",
+    )
+    load.add_argument(
         "--seconds", type=float, default=120.0, help="seconds through the gateway (default 120)"
     )
     load.add_argument(
