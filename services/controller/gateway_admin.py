@@ -38,9 +38,7 @@ class GatewayCloseError(RuntimeError):
 class GatewayAdmin:
     """The admin API of one gateway replica."""
 
-    def __init__(
-        self, url: str, admin_token: str, *, timeout_s: float, replica: str = ""
-    ) -> None:
+    def __init__(self, url: str, admin_token: str, *, timeout_s: float, replica: str = "") -> None:
         self.replica = replica
         self._client = HttpClient(url, read_timeout_s=60)
         self._auth = [
