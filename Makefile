@@ -41,16 +41,19 @@ TEST_NEEDS := lint qwen3-tiny sandbox-tools harness-clis swe-harness
 
 # Two workers (pytest-xdist), each taking a whole test file at a time (module fixtures stay
 # in one process): most integration tests wait on real servers and subprocesses, so two
-# files at once finish in ~15 minutes on 2 cores instead of ~21.
+# files at once finish in ~15 minutes on 2 cores instead of ~21. One OpenMP thread per
+# process (the services the tests start inherit it): two workers each training a tiny
+# model with a thread per core would oversubscribe the cores many times over.
+TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 test: venv
 	$(MAKE) --no-print-directory -j5 $(TEST_NEEDS)
-	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=25
+	$(TEST_ENV) $(BIN)/python -m pytest -n 2 --dist loadfile --durations=25
 
 # The same tests with the long versions of the heaviest suites: the fuzzers send 3x the
 # requests, the chaos run lasts five minutes (~35 minutes on 2 cores instead of ~20).
 test-full: venv
 	$(MAKE) --no-print-directory -j5 $(TEST_NEEDS)
-	HARNESSRL_TEST_FULL=1 $(BIN)/python -m pytest -n 2 --dist loadfile
+	$(TEST_ENV) HARNESSRL_TEST_FULL=1 $(BIN)/python -m pytest -n 2 --dist loadfile
 
 # The real Qwen3 tokenizer and chat template (npm, pinned with its integrity in the lock
 # file) on a tiny random Qwen3 (examples/qwen3-tiny/build.py): the tests of real-template
