@@ -220,3 +220,26 @@ async def _finals(bootstrap: str, count: int, timeout: float = 180) -> list[pb.E
 
     await eventually(enough, timeout=timeout, interval=0.5)
     return list(finals.values())
+
+
+async def test_a_replica_recovers_only_its_own_episodes(
+    broker: EmbeddedBroker, kafka: KafkaSettings, producer_settings: ProducerSettings
+) -> None:
+    from harnessrl.services.gateway.episodes import Restored
+    from harnessrl.services.gateway.recovery import recover
+
+    producer = Producer(kafka, producer_settings, name="gateway/gw-0")
+    await producer.start()
+    try:
+        for replica, episode, seqs in (("gw-0", "mine", 3), ("gw-1", "theirs", 2)):
+            for seq in range(seqs):
+                call = pb.ModelCall(episode_id=episode, attempt=1, group_id=f"g-{episode}",
+                                    seq=seq, gateway=replica)  # fmt: skip
+                await producer.publish(call)
+            closed = pb.EpisodeClosed(episode_id=episode, attempt=1, group_id=f"g-{episode}",
+                                      call_count=seqs, gateway=replica)  # fmt: skip
+            await producer.publish(closed)
+        state = await recover(kafka, producer, window_s=600, client_id="t", replica="gw-0")
+    finally:
+        await producer.stop()
+    assert state == {("mine", 1): Restored(3, 3)}
