@@ -4,7 +4,6 @@ while it is away; which replica owns an episode (rendezvous hashing)."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -12,6 +11,7 @@ import orjson
 
 from harnessrl.http import HttpClient
 from harnessrl.logs import get_logger
+from harnessrl.rendezvous import ranking
 from harnessrl.retry import Backoff, is_retryable
 
 if TYPE_CHECKING:
@@ -21,14 +21,9 @@ log = get_logger(__name__)
 
 
 def owner(episode_id: str, replicas: Sequence[GatewayReplica]) -> GatewayReplica:
-    """The replica that owns `episode_id`: the highest hash of (replica name, episode id).
-    Rendezvous hashing: every controller agrees without state, and adding a replica moves
-    only the episodes that now hash highest to it (1/N of them)."""
-    return max(replicas, key=lambda r: _weight(r.name, episode_id))
-
-
-def _weight(name: str, episode_id: str) -> bytes:
-    return hashlib.blake2b(f"{name}\0{episode_id}".encode(), digest_size=8).digest()
+    """The replica that owns `episode_id`, by rendezvous hashing over the replicas' names:
+    every controller agrees without state, and adding a replica moves only its share."""
+    return replicas[ranking(episode_id, [r.name for r in replicas])[0]]
 
 
 class GatewayCloseError(RuntimeError):

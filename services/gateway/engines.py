@@ -10,13 +10,13 @@ backoff; anything else is the caller's to answer.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from harnessrl.http import ClientResponse, HttpClient
 from harnessrl.logs import get_logger
+from harnessrl.rendezvous import ranking
 from harnessrl.retry import Backoff, is_retryable
 
 log = get_logger(__name__)
@@ -44,13 +44,7 @@ class EnginePool:
 
     def ranking(self, episode_id: str) -> list[int]:
         """Engine indexes in the order this episode tries them."""
-        if len(self.urls) == 1:
-            return [0]
-        scores = [
-            hashlib.blake2b(f"{episode_id}|{url}".encode(), digest_size=8).digest()
-            for url in self.urls
-        ]
-        return sorted(range(len(self.urls)), key=lambda i: scores[i], reverse=True)
+        return ranking(episode_id, self.urls)
 
     async def request(
         self, episode_id: str, path: str, body: bytes | Callable[[str], bytes]
