@@ -60,18 +60,29 @@ def logprobs_from_logits(logits: torch.Tensor, batch: MicroBatch) -> torch.Tenso
     return torch.where(batch.attention_mask.bool(), logp, 0.0)  # [B, T]
 
 
+ENTROPY_CHUNK_ELEMENTS = 1 << 24
+"""Logit elements the entropy statistic works on at once (rows of the vocabulary's size):
+its peak is ~16 bytes each, 256 MiB, however many tokens the micro-batch has."""
+
+
 @torch.no_grad()
 def entropy_from_logits(logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
     """float32 [B, T] entropy of the temperature-scaled distribution each trained token was
     drawn from (position t: the distribution predicted at t-1), 0 off the loss mask. For
-    monitoring only (no gradient); computed at loss-mask positions only."""
+    monitoring only (no gradient); computed at loss-mask positions only, a chunk of rows at
+    a time (ENTROPY_CHUNK_ELEMENTS), so it never holds a float32 copy of all the logits."""
     tau = batch.temperature.to(logits.device)  # [B]
-    mask = batch.loss_mask[:, 1:]  # [B, T-1] positions whose token is trained
-    rows = tau[:, None].expand_as(mask)[mask]  # [M]
-    scaled = logits[:, :-1][mask].float() / rows[:, None]  # [M, V]
-    logp = torch.log_softmax(scaled, dim=-1)  # [M, V]
+    mask = batch.loss_mask[:, 1:].to(logits.device)  # [B, T-1] positions whose token is trained
+    rows, cols = mask.nonzero(as_tuple=True)  # [M] each
+    values = torch.empty(rows.numel(), dtype=torch.float32, device=logits.device)  # [M]
+    step = max(1, ENTROPY_CHUNK_ELEMENTS // logits.shape[-1])
+    for start in range(0, rows.numel(), step):
+        r, c = rows[start : start + step], cols[start : start + step]
+        scaled = logits[r, c].float() / tau[r][:, None]  # [m, V]
+        logp = torch.log_softmax(scaled, dim=-1)
+        values[start : start + step] = -(logp.exp() * logp).sum(-1)
     entropy = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)  # [B, T-1]
-    entropy[mask] = -(logp.exp() * logp).sum(-1)
+    entropy[rows, cols] = values
     return F.pad(entropy, (1, 0))  # [B, T]
 
 

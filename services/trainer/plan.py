@@ -347,7 +347,12 @@ def _activation_bytes(shape: ModelShape, tokens: int, compute: int) -> tuple[int
     h = shape.hidden
     # The final norm's fp32 input and output, and the head's input (a bf16 cast or shared).
     head = 8 * h + (2 * h if compute == 2 else 4 * h)
-    logits = 3 * 4 * tokens * shape.vocab
+    # fp32 forward, log_softmax and grad; beside them, the entropy statistic's chunk (~16
+    # bytes an element: the gathered rows, scaled, log-probs, their product).
+    from harnessrl.services.trainer.loss import ENTROPY_CHUNK_ELEMENTS
+
+    rows = max(1, ENTROPY_CHUNK_ELEMENTS // shape.vocab)
+    logits = 3 * 4 * tokens * shape.vocab + 16 * min(tokens, rows) * shape.vocab
     common = tokens * (8 + head) + logits  # 8: the int64 input ids
     # Padded rows make transformers pass SDPA a [B, 1, T, T] boolean mask, which SDPA
     # converts to the compute dtype in every block (and saves). B * T * T is at most

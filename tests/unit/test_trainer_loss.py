@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from harnessrl.services.trainer import loss as loss_module
 from harnessrl.services.trainer.loss import (
     LossSettings,
     LossStats,
@@ -309,3 +310,7 @@ def test_token_logprobs_apply_each_rows_temperature(model: torch.nn.Module) -> N
     assert trained.any()
     assert torch.allclose(entropy[0, 1:n][trained], expected_entropy[trained], atol=1e-5)
     assert torch.all(entropy[0, 1:n][~trained] == 0)
+    # a row at a time gives the same values as the default chunks (it bounds the peak only)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loss_module, "ENTROPY_CHUNK_ELEMENTS", logits.shape[-1])
+        assert torch.equal(entropy_from_logits(logits, hot), entropy)
