@@ -116,6 +116,8 @@ class Admin:
             return _problem(400, "group_id: required, a non-empty string")
         reason = str(body.get("reason", "finished"))
         owner = body.get("gateway", self._replica)
+        if not isinstance(owner, str):
+            return _problem(400, "gateway: a string, the name of the replica that owns it")
         if owner != self._replica:  # closing it here would count none of its calls
             return _problem(
                 421,

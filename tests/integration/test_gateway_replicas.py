@@ -118,7 +118,13 @@ async def _refused_at_the_wrong_replica(
             headers={"authorization": f"Bearer {ADMIN}"},
             json={"attempt": 1, "group_id": "g-misrouted", "gateway": "gw-1"},
         )
-    assert closed.status_code == 421, closed.text
+        assert closed.status_code == 421, closed.text
+        garbled = await http.post(
+            f"{gateways['gw-0'].url}/admin/episodes/ep-misrouted/close",
+            headers={"authorization": f"Bearer {ADMIN}"},
+            json={"attempt": 1, "group_id": "g-misrouted", "gateway": 5},
+        )
+        assert garbled.status_code == 400 and "gateway:" in garbled.text, garbled.text
     calls, closes = await _calls(broker)
     assert not any(key[0] == "ep-misrouted" for key in [*calls, *closes])
 
