@@ -257,6 +257,16 @@ class ControllerSection(ServiceSection):
         ]
 
     @model_validator(mode="after")
+    def _gateways_or_gateway_url(self) -> ControllerSection:
+        both = {"gateway_url", "gateway_admin_url"} & self.model_fields_set
+        if self.gateways and both:
+            raise ValueError(
+                f"gateways: give the replicas or {' and '.join(sorted(both))} (one unnamed "
+                "gateway), not both"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _one_gateway_in_a_sandbox(self) -> ControllerSection:
         if self.sandbox.mode != "off" and len(self.gateways) > 1:
             raise ValueError(

@@ -51,3 +51,5 @@ def test_the_controller_takes_named_replicas_or_one_unnamed_gateway() -> None:
         ControllerSection(gateways=[{"name": "a", "url": "gw:8000"}], **secrets)
     with pytest.raises(ValidationError, match="name"):
         ControllerSection(gateways=[{"name": "", "url": "http://gw:8000"}], **secrets)
+    with pytest.raises(ValidationError, match="give the replicas or gateway_url"):
+        ControllerSection(gateways=replicas(2), gateway_url="http://gw:8000", **secrets)
