@@ -111,6 +111,24 @@ def register(commands: Any) -> None:
     samples.add_argument("--calls", type=int, default=8, help="calls per episode (default 8)")
     samples.add_argument("--seed", type=int, default=0, help="seed of the groups (default 0)")
     samples.set_defaults(run=_run_samples)
+    reward = sub.add_parser(
+        "reward",
+        help="builtin:tests seconds per scored patch vs the bare test run",
+        description="For each task of a swe task file (`harnessrl swe synth` output), score "
+        "its gold patch and a patch that fixes nothing with builtin:tests, and, in the same "
+        "run, apply each patch to a clone and run the task's test command directly (no "
+        "rules, no containment). Prints seconds per patch for both and their ratio; the "
+        "last line is one JSON object.",
+    )
+    reward.add_argument("--json", action="store_true", help="print only the JSON line")
+    reward.add_argument("--tasks", type=Path, required=True, help="swe task file (JSONL)")
+    reward.add_argument(
+        "--limit", type=int, default=0, help="first N tasks with a test command (default all)"
+    )
+    reward.add_argument(
+        "--rounds", type=int, default=3, help="alternating rounds; medians (default 3)"
+    )
+    reward.set_defaults(run=_run_reward)
     _register_trainer(sub)
     parser.set_defaults(run=lambda _: parser.print_help() or 2)
 
@@ -303,6 +321,12 @@ def _run_samples(args: argparse.Namespace) -> int:
     from harnessrl.bench import samples
 
     return samples.main(args)
+
+
+def _run_reward(args: argparse.Namespace) -> int:
+    from harnessrl.bench import reward
+
+    return reward.main(args)
 
 
 def _run_trainer(args: argparse.Namespace) -> int:
