@@ -28,6 +28,7 @@ CONFIG_ENV = "HARNESSRL_CONFIG"
 
 KiB = 1024
 MiB = 1024 * 1024
+GiB = 1024 * MiB
 
 
 class Section(BaseModel):

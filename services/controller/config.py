@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from harnessrl.config import MiB, Section, ServiceConfig, ServiceSection, real_secret
+from harnessrl.config import GiB, MiB, Section, ServiceConfig, ServiceSection, real_secret
 
 MAX_GROUP_SIZE = 1024
 """Largest group a task may ask for (TaskSubmitted.group_size): a group's episodes are all
@@ -86,7 +86,6 @@ class KubernetesSettings(Section):
     """Delete a Job once its result is read; else keep it (for its TTL) labelled collected."""
 
 
-GiB = 1024 * MiB
 MAX_SANDBOX_UID = 2**31 - 1
 """Highest uid a sandboxed run gets (uids stay positive as signed 32-bit numbers, which
 some tools assume)."""

@@ -16,8 +16,9 @@ import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 from urllib.parse import urlsplit
+
+from harnessrl.bubblewrap import Mount, is_system, system_mounts, under, venv_base, with_parents
 
 HOSTNAME = "harnessrl"
 SUPPORT = Path("/run/harnessrl")
@@ -26,65 +27,13 @@ INIT = SUPPORT / "init.py"
 GATEWAY_SOCKET = SUPPORT / "gateway.sock"
 HOME = "/tmp/home"
 """HOME inside the sandbox (the controller's is never visible)."""
-SYSTEM_DIRS = ("/usr", "/etc")
-SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-"""Symlinks into /usr on merged-/usr systems, directories elsewhere."""
-
-
-@dataclass(frozen=True, slots=True)
-class Mount:
-    """One entry of the sandbox's file system."""
-
-    kind: Literal["ro-bind", "bind", "tmpfs", "symlink", "proc", "dev", "dir", "remount-ro"]
-    dest: str
-    source: str = ""
-    """What is bound there (bind kinds), or the link's target (symlink)."""
-    size: int | None = None
-    """tmpfs: its size in bytes."""
-    perms: str = "0755"
-    """tmpfs: the mode of its root."""
-
-    def args(self) -> list[str]:
-        if self.kind in ("ro-bind", "bind", "symlink"):
-            return [f"--{self.kind}", self.source, self.dest]
-        if self.kind == "tmpfs":
-            size = ["--size", str(self.size)] if self.size is not None else []
-            return ["--perms", self.perms, *size, "--tmpfs", self.dest]
-        if self.kind == "dir":
-            return ["--perms", self.perms, "--dir", self.dest]
-        return [f"--{self.kind}", self.dest]
-
-
-def _depth(mount: Mount) -> int:
-    return len(Path(mount.dest).parts)
-
-
-def _under(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
-
-
-def system_mounts() -> list[Mount]:
-    """The system directories, read-only, as this machine lays them out."""
-    mounts = [Mount("ro-bind", d, d) for d in SYSTEM_DIRS if os.path.isdir(d)]
-    for name in SYSTEM_LINKS:
-        if os.path.islink(name):
-            mounts.append(Mount("symlink", name, os.readlink(name)))
-        elif os.path.isdir(name):
-            mounts.append(Mount("ro-bind", name, name))
-    return mounts
-
-
-def _system(path: Path) -> bool:
-    """Whether `path` is / or shown by the system mounts anyway."""
-    roots = (*SYSTEM_DIRS, *SYSTEM_LINKS)
-    return path == Path("/") or any(_under(path, Path(root)) for root in roots)
 
 
 def python_paths() -> list[Path]:
     """The controller's Python installations (its venv and the interpreter under it); the
     sandbox's init runs on that interpreter."""
     prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    return [Path(p) for p in sorted(prefixes) if not _system(Path(p))]
+    return [Path(p) for p in sorted(prefixes) if not is_system(Path(p))]
 
 
 def command_paths(command: Iterable[str], search_path: str | None, home: Path | None) -> list[Path]:
@@ -100,24 +49,12 @@ def command_paths(command: Iterable[str], search_path: str | None, home: Path | 
     if program is not None:
         for path in (Path(os.path.abspath(program)), Path(os.path.realpath(program))):
             prefix = path.parent.parent if path.parent.name == "bin" else path
-            venv = _venv_base(prefix)
+            venv = venv_base(prefix)
             if not venv and (prefix in anchors or prefix.parent in anchors):
                 prefix = path
             found += [prefix, *venv]
     found += [Path(arg) for arg in argv[1:] if os.path.isabs(arg) and os.path.isfile(arg)]
-    return [path for path in found if not _system(path)]
-
-
-def _venv_base(prefix: Path) -> list[Path]:
-    config = prefix / "pyvenv.cfg"
-    if not config.is_file():
-        return []
-    for line in config.read_text(errors="replace").splitlines():
-        key, _, value = line.partition("=")
-        if key.strip() == "home" and value.strip():
-            home = Path(os.path.realpath(value.strip()))
-            return [home.parent if home.name == "bin" else home]
-    return []
+    return [path for path in found if not is_system(path)]
 
 
 def file_mounts(
@@ -144,8 +81,8 @@ def file_mounts(
     refused: list[Path] = []
     for path in dict.fromkeys(read_only):
         real = Path(os.path.realpath(path))
-        (refused if any(_under(real, h) for h in hidden) else kept).append(path)
-    masks = [p for p in (*hidden, *masked) if p.exists() and any(_under(p, k) for k in kept)]
+        (refused if any(under(real, h) for h in hidden) else kept).append(path)
+    masks = [p for p in (*hidden, *masked) if p.exists() and any(under(p, k) for k in kept)]
     mounts = [
         *system_mounts(),
         *(Mount("ro-bind", str(p), str(p)) for p in kept),
@@ -158,36 +95,7 @@ def file_mounts(
         Mount("bind", str(run_dir), str(run_dir)),
         *(Mount("ro-bind", dest, str(source)) for dest, source in support.items()),
     ]
-    return _with_parents(sorted(mounts, key=_depth)), refused
-
-
-def _with_parents(mounts: list[Mount]) -> list[Mount]:
-    """`mounts` with the directories leading to each made first, traversable by anyone
-    (bwrap would make them 0700 and its own, which a run dropped to its own uid cannot
-    enter), and read-only: one right under a writable tmpfs (/tmp) is a tmpfs of its own,
-    remounted read-only once everything under it is mounted (an unprivileged run owns what
-    bwrap makes, and could write there otherwise). A directory inside a bind exists."""
-    out: list[Mount] = []
-    made: set[Path] = {Path("/")}
-    binds: list[Path] = []
-    writable = {Path(m.dest) for m in mounts if m.kind == "tmpfs" and m.perms == "1777"}
-    sealed: list[Mount] = []
-    for mount in mounts:
-        dest = Path(mount.dest)
-        for parent in reversed(dest.parents):
-            if parent in made or any(_under(parent, b) for b in binds):
-                continue
-            if parent.parent in writable:
-                out.append(Mount("tmpfs", str(parent), size=1024 * 1024))
-                sealed.append(Mount("remount-ro", str(parent)))
-            else:
-                out.append(Mount("dir", str(parent)))
-            made.add(parent)
-        out.append(mount)
-        made.add(dest)
-        if mount.kind in ("ro-bind", "bind"):
-            binds.append(dest)
-    return [*out, *sealed, Mount("remount-ro", "/run")]
+    return [*with_parents(mounts), Mount("remount-ro", "/run")], refused
 
 
 def bwrap_argv(

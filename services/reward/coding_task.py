@@ -14,6 +14,13 @@ alone:
 environment by their entry points; without it the run has PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 and a task that needs a plugin names it in its command (`-p xdist.plugin`).
 
+`runner` (default "pytest"): the command runs pytest, and the score comes from what the
+test guard proves (see `grading`); "command": any other command, scored by its exit status
+alone (code under test runs in the process that decides it: nothing is proved). Optional:
+`environment` (the Python environment the command runs, a venv or prefix directory: where
+the guard is mounted; by default found from the command's words), `known_failures` (tests
+that may fail: with it, any other failing test scores 0, named or not).
+
 Every problem raises ValueError naming the field, e.g. "task metadata.base_commit: required".
 """
 
@@ -34,6 +41,8 @@ JUNIT_PLACEHOLDER = "{junit_xml}"
 
 Scoring = Literal["fraction", "all_pass"]
 _SCORINGS: tuple[Scoring, ...] = ("fraction", "all_pass")
+Runner = Literal["pytest", "command"]
+_RUNNERS: tuple[Runner, ...] = ("pytest", "command")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +66,13 @@ class CodingTask:
     """Whether pytest may load the environment's plugins by their entry points."""
     test_patch: str = ""
     """The tests of the fix (a unified diff, as SWE-bench's `test_patch`), applied after the
-    harness's patch has passed the rules, before the run; "" when the tests are already in
-    the repository (synthesized tasks). Its paths belong in `protected_paths`."""
+    harness's patch has passed the rules, before the run; "" when every test is already in
+    the repository. Its paths belong in `protected_paths`."""
+    runner: Runner = "pytest"
+    environment: str | None = None
+    """The Python environment the command runs (absolute); None: found from the command."""
+    known_failures: tuple[str, ...] | None = None
+    """Tests allowed to fail besides the named ones; None: no test outside them is judged."""
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any], settings: TestsSettings) -> CodingTask:
@@ -81,6 +95,13 @@ class CodingTask:
             timeout_s=_timeout(metadata, settings.timeout_s),
             plugin_autoload=_flag(metadata, "plugin_autoload"),
             test_patch=_optional_text(metadata, "test_patch"),
+            runner=_runner(metadata),
+            environment=_environment(metadata),
+            known_failures=(
+                tuple(_texts(metadata, "known_failures", required=False))
+                if metadata.get("known_failures") is not None
+                else None
+            ),
         )
 
     def command_with(self, junit_xml: str) -> tuple[str, ...]:
@@ -177,6 +198,20 @@ def _relative(where: str, path: str) -> str:
     if not parts:
         raise ValueError(f"task metadata.{where}: names the whole repository")
     return "/".join(parts)
+
+
+def _runner(metadata: Mapping[str, Any]) -> Runner:
+    value = metadata.get("runner", "pytest")
+    if value not in _RUNNERS:
+        raise ValueError(f"task metadata.runner: must be one of {list(_RUNNERS)}")
+    return cast(Runner, value)
+
+
+def _environment(metadata: Mapping[str, Any]) -> str | None:
+    value = _optional_text(metadata, "environment")
+    if value and not value.startswith("/"):
+        raise ValueError("task metadata.environment: must be an absolute path")
+    return value or None
 
 
 def _flag(metadata: Mapping[str, Any], name: str) -> bool:

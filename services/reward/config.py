@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from harnessrl.config import KiB, Section, ServiceConfig, ServiceSection
+from harnessrl.config import GiB, KiB, MiB, Section, ServiceConfig, ServiceSection
 
 
 class AnswerSettings(Section):
@@ -45,10 +45,31 @@ class TestsSettings(Section):
     patch_key: str = "patch"
     """Key of the patch (unified diff text) in the harness's result, used when the artifacts
     hold no patch file."""
-    network: Literal["auto", "off", "on"] = "auto"
-    """Network during test runs. off: in a network namespace without interfaces (fails when
-    the machine cannot make one); auto: that where the machine allows it, else on (logged
-    once); on: the host's network."""
+    bwrap: str = "bwrap"
+    """The bubblewrap program every test run is jailed with (a name on PATH, or a path; see
+    services/reward/jail.py). A run whose jail cannot be set up is an infrastructure error
+    (the reward is missing), never a run outside it."""
+    read_only: list[Path] = []
+    """Absolute paths a test run may read besides the system directories, the task's
+    Python environment and the repository copy (a dataset the suite needs, say)."""
+    uid_base: int = Field(default=2_000_000_000, ge=1000, le=4_000_000_000)
+    """A reward running as root runs each test as the unprivileged uid uid_base + n (one
+    per run in progress)."""
+    max_processes: int = Field(default=1024, ge=16)
+    """Processes and threads one test run may have at once (a fork bomb stops here)."""
+    max_file_bytes: int = Field(default=1 * GiB, ge=1 * MiB)
+    """Largest file a test run may write."""
+    tmp_bytes: int = Field(default=1 * GiB, ge=1 * MiB)
+    """Size of a test run's private /tmp (its HOME and TMPDIR, memory-backed)."""
+
+    @field_validator("read_only")
+    @classmethod
+    def _absolute(cls, value: list[Path]) -> list[Path]:
+        relative = [str(path) for path in value if not path.is_absolute()]
+        if relative:
+            raise ValueError(f"{', '.join(relative)}: not absolute")
+        return value
+
     scratch_dir: Path | None = None
     """Where the per-episode repository copies are made (default: the system temp dir);
     each copy is deleted after scoring."""

@@ -1,104 +1,162 @@
-"""The score of a test run: how many of the task's named tests the runner reports passed.
+"""The score of a jailed test run: the task's named tests, as the test guard proved them.
 
-A named test counts only when its outcome (`run_report.status_of`) is "passed". The score
-is the share of them that passed ("fraction") or 1 only when all did ("all_pass"); without
-named tests, 1 when the command exits 0. A score of 0 and a flag, whatever passed, when:
+With the task's runner "pytest" (the default), the score comes from the guard's evidence
+(`evidence`), never from anything the run wrote (no JUnit file, no output line). A run
+that does not add up scores 0 with a flag for each way it does not:
 
 - timeout: the run was cut at its timeout;
-- early_exit: the command asks for a JUnit report and ended without writing one (the
-  process exited before pytest finished its session: `os._exit` at import, a crash);
-- report_invalid: the JUnit report it asked for is not one (too large, not JUnit XML);
-  the summary lines are then not trusted either;
-- runner_error: pytest stopped with an internal error (its report holds the case
-  `pytest.internal`: a SystemExit raised while it collected, say); every named test
-  errored;
-- tests_skipped / tests_xfailed / tests_xpassed: a named test was skipped (at run time or
-  with its whole module), xfailed, or marked xfail and passed. The task's tests pass,
-  plainly, on the fixed code; none of these can come from its pristine tests, so the patch
-  made the runner report them.
+- guard_missing: the guard never reported (pytest did not load it);
+- report_forged: a frame that does not verify, is out of sequence, reports a test that was
+  not collected or a phase twice, or reports passed a call the guard saw raise;
+- report_after_finish: frames written after the session's end;
+- runner_tampered: the guard found the runner, a hook, the import of a test module or a
+  test function changed (its findings are in the message); or code the patch changed was
+  imported before the guard;
+- exit_mismatch: the process's exit status is not the one pytest ended with, or does not
+  agree with the outcomes (0 with failing tests, 1 with none);
+- early_exit: the process ended before pytest ended its session;
+- runner_error: pytest stopped with an internal error (exit status 3);
+- tests_missing: a named test was not collected;
+- tests_skipped / tests_xfailed / tests_xpassed: a named test was skipped, xfailed, or
+  marked xfail and passed (the task's tests pass plainly on the fixed code);
+- tests_regressed: a test the task does not name failed or errored, and the task lists the
+  tests allowed to fail (`known_failures`, which `swe synth` records): a patch that breaks
+  what worked scores 0, named or not.
 
-tests_missing: a named test is in no report, or JUnit passed it but the summary, which
-lists the passes, does not (it never ran its call). It counts as failed, and flags the
-score, which is not forced to 0: a misnamed test is a fault of the task as often as of the
-patch.
+Otherwise the score is the share of named tests that passed ("fraction") or 1 when all did
+("all_pass"); without named tests, 1 when pytest ended with status 0. With the runner
+"command" (a task whose command is not pytest), only the exit status speaks: 1 when it is 0.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from harnessrl.services.reward.coding_task import CodingTask
 from harnessrl.services.reward.episode import Score
-from harnessrl.services.reward.run_report import INTERNAL_ERROR, RunReport, status_of
+from harnessrl.services.reward.evidence import Evidence, Outcome, all_outcomes, inconsistencies
 from harnessrl.services.reward.sandbox import RunOutcome
+from harnessrl.services.reward.test_names import named_by, status_of
 
 LISTED = 10
 """Most test names a message lists."""
 _ZEROING = {"skipped": "tests_skipped", "xfailed": "tests_xfailed", "xpassed": "tests_xpassed"}
 """Outcomes of a named test that score the whole run 0, and their flags."""
+INTERNAL_ERROR = 3
 
 
-def grade(task: CodingTask, outcome: RunOutcome, report: RunReport) -> Score:
-    """The run's score; see the module docstring."""
+def grade(
+    task: CodingTask, outcome: RunOutcome, evidence: Evidence | None, changed: Sequence[str]
+) -> Score:
+    """The run's score; see the module docstring. `evidence`: None for the runner "command";
+    `changed`: the repository paths the patch changed."""
     components: dict[str, float] = {}
     if outcome.exit_code is not None:
         components["exit_code"] = float(outcome.exit_code)
     tail = outcome.output_tail.decode("utf-8", "replace").strip()
-    notes = [report.note] if report.note else []
     if outcome.timed_out:
         message = f"test run killed after its {task.timeout_s:g} s timeout"
-        return Score(0.0, components, ("timeout",), _message(message, notes, tail))
-    if task.writes_junit and report.source != "junit":
-        if report.note:
-            message = "the test command's JUnit report is not one; the run is not graded"
-            return Score(0.0, components, ("report_invalid",), _message(message, notes, tail))
-        message = (
-            f"the test command exited ({outcome.exit_code}) without writing its JUnit "
-            "report: the runner did not finish its session"
-        )
-        return Score(0.0, components, ("early_exit",), _message(message, notes, tail))
+        return Score(0.0, components, ("timeout",), _message(message, tail))
+    if evidence is None:
+        return _by_exit_code(outcome.exit_code == 0, components, outcome, tail)
+    problems = inconsistencies(evidence, outcome.exit_code)
+    problems += _preloaded(evidence, changed)
+    if not problems and not evidence.ended:
+        why = f"the process exited ({outcome.exit_code}) before pytest ended its session"
+        problems.append(("early_exit", why))
+    if problems:
+        flags = tuple(dict.fromkeys(flag for flag, _ in problems))
+        whys = "\n".join(f"{flag}: {why}" for flag, why in problems)
+        return Score(0.0, components, flags, _message(f"the run does not add up\n{whys}", tail))
+    if evidence.exitstatus == INTERNAL_ERROR:
+        message = "pytest stopped with an internal error"
+        return Score(0.0, components, ("runner_error",), _message(message, tail))
+    outcomes = all_outcomes(evidence)
     if not task.tests:
-        return _by_exit_code(outcome, report, components, notes, tail)
+        return _by_exit_code(evidence.exitstatus == 0, components, outcome, tail)
+    return _named(task, evidence, outcomes, components, tail)
+
+
+def _named(
+    task: CodingTask,
+    evidence: Evidence,
+    outcomes: dict[str, Outcome],
+    components: dict[str, float],
+    tail: str,
+) -> Score:
     by_outcome: dict[str, list[str]] = {}
     for name in task.tests:
-        status = status_of(name, report.cases)
-        key = "missing" if status in (None, "unreported") else status
-        by_outcome.setdefault(key, []).append(name)
+        status = status_of(name, outcomes, evidence.collect_problems)
+        by_outcome.setdefault(status or "missing", []).append(name)
     passed = by_outcome.get("passed", [])
     components["tests_passed"] = float(len(passed))
     components["tests_total"] = float(len(task.tests))
     flags = [flag for key, flag in _ZEROING.items() if key in by_outcome]
-    if any(case.address == INTERNAL_ERROR for case in report.cases):
-        flags.insert(0, "runner_error")
+    if "missing" in by_outcome:
+        flags.append("tests_missing")
+    regressed = _regressions(task, evidence, outcomes)
+    if regressed:
+        flags.append("tests_regressed")
+        components["tests_regressed"] = float(len(regressed))
     if flags:
         value = 0.0
     elif task.scoring == "fraction":
         value = len(passed) / len(task.tests)
     else:
         value = 1.0 if len(passed) == len(task.tests) else 0.0
-    if "missing" in by_outcome:
-        flags.append("tests_missing")
-    if len(passed) == len(task.tests):
+    if value == 1.0:
         return Score(value, components, (), f"all {len(passed)} named tests passed")
-    message = _message(_summary(by_outcome, task, report), notes, tail)
-    return Score(value, components, tuple(flags), message)
+    summary = _summary(by_outcome, task, regressed)
+    texts = [
+        evidence.texts[n] for n in _failed_nodeids(by_outcome, outcomes) if n in evidence.texts
+    ]
+    return Score(value, components, tuple(flags), _message(summary, tail, texts[:2]))
 
 
-def _by_exit_code(
-    outcome: RunOutcome,
-    report: RunReport,
-    components: dict[str, float],
-    notes: list[str],
-    tail: str,
-) -> Score:
-    if report.cases:
-        components["tests_passed"] = float(sum(case.passed for case in report.cases))
-        components["tests_total"] = float(len(report.cases))
-    if outcome.exit_code == 0:
+def _regressions(task: CodingTask, evidence: Evidence, outcomes: dict[str, Outcome]) -> list[str]:
+    """Tests (and collectors) outside the named tests and the known failures that failed,
+    when the task lists its known failures."""
+    if task.known_failures is None:
+        return []
+    named = {n for name in task.tests for n in named_by(name, list(outcomes))}
+    known = {n for name in task.known_failures for n in named_by(name, list(outcomes))}
+    known_collectors = set(task.known_failures)
+    found = [
+        nodeid
+        for nodeid, outcome in outcomes.items()
+        if outcome in ("failed", "error") and nodeid not in named and nodeid not in known
+    ]
+    found += [
+        nodeid
+        for nodeid, outcome in evidence.collect_problems.items()
+        if outcome == "failed" and nodeid not in known_collectors
+    ]
+    return found
+
+
+def _preloaded(evidence: Evidence, changed: Sequence[str]) -> list[tuple[str, str]]:
+    """Code the patch changed that was imported before the guard (by a plugin module the
+    task's configuration loads): it could have prepared the runner unseen."""
+    preloaded = evidence.hello.get("preloaded") if evidence.hello is not None else None
+    early = sorted(set(preloaded if isinstance(preloaded, list) else []) & set(changed))
+    if early:
+        return [("runner_tampered", f"imported before the guard: {listed(early)}")]
+    return []
+
+
+def _failed_nodeids(by_outcome: dict[str, list[str]], outcomes: dict[str, Outcome]) -> list[str]:
+    names = by_outcome.get("failed", []) + by_outcome.get("error", [])
+    return [n for name in names for n in named_by(name, list(outcomes))]
+
+
+def _by_exit_code(ok: bool, components: dict[str, float], outcome: RunOutcome, tail: str) -> Score:
+    if ok:
         return Score(1.0, components, (), "the test command exited 0")
     message = f"the test command exited {outcome.exit_code}"
-    return Score(0.0, components, (), _message(message, notes, tail))
+    return Score(0.0, components, (), _message(message, tail))
 
 
-def _summary(by_outcome: dict[str, list[str]], task: CodingTask, report: RunReport) -> str:
+def _summary(by_outcome: dict[str, list[str]], task: CodingTask, regressed: list[str]) -> str:
     parts = [f"{len(by_outcome.get('passed', []))} of {len(task.tests)} named tests passed"]
     for key, label in (
         ("failed", "failed"),
@@ -106,23 +164,23 @@ def _summary(by_outcome: dict[str, list[str]], task: CodingTask, report: RunRepo
         ("skipped", "skipped (the patch made the runner skip them)"),
         ("xfailed", "xfailed (the patch made them expected to fail)"),
         ("xpassed", "xpassed (marked expected to fail by the patch)"),
+        ("missing", "not collected"),
     ):
         if key in by_outcome:
             parts.append(f"{label}: {listed(by_outcome[key])}")
-    if "missing" in by_outcome:
-        where = "no test report found" if report.source == "none" else "not reported passed"
-        parts.append(f"{where}: {listed(by_outcome['missing'])}")
+    if regressed:
+        parts.append(f"tests that failed and are not allowed to: {listed(regressed)}")
     return "; ".join(parts)
 
 
-def _message(summary: str, notes: list[str], tail: str) -> str:
-    lines = [summary, *notes]
+def _message(summary: str, tail: str, texts: Sequence[str] = ()) -> str:
+    lines = [summary, *(f"pytest reported:\n{t}" for t in texts if t)]
     if tail:
         lines.append(f"output (end):\n{tail}")
     return "\n".join(lines)
 
 
-def listed(names: list[str]) -> str:
+def listed(names: Sequence[str]) -> str:
     """The names, comma-separated, at most LISTED of them."""
     shown = ", ".join(names[:LISTED])
     return shown if len(names) <= LISTED else f"{shown} and {len(names) - LISTED} more"

@@ -1,11 +1,14 @@
-"""The built-in `tests` reward: apply the harness's patch, run the task's tests, score them.
+"""The built-in `tests` reward: apply the harness's patch, run the task's tests jailed, score
+what the test guard proves.
 
 For each episode: the task's repository is cloned at its base commit into a fresh directory
 (deleted afterwards, whatever happens), the harness's patch is applied, and the task's test
-command runs there, contained (see `sandbox`). The score is graded from what the runner
-reports (see `grading`; only a test the runner reports PASSED passes). The run scores the
-patch's code against a pristine copy of the tests and of everything that decides how they
-run:
+command runs there in a jail (`jail`: its own PID and network namespaces, everything
+read-only but a private /tmp, nothing of the machine in view but the system, the task's
+Python environment and the copy). The score is graded from the test guard's authenticated
+report (`evidence`, `grading`), never from a file or a line the run wrote. The run scores
+the patch's code against a pristine copy of the tests and of everything that decides how
+they run:
 
 1. Refused (score 0, nothing is run, a flag per kind; see `patch_rules`): a patch that
    changes a test file, a conftest.py, pytest's configuration, `.gitattributes`, what
@@ -15,43 +18,40 @@ run:
    A fix may change the rest of pyproject.toml, setup.cfg and tox.ini.
 2. Restored from the commit before the run: the task's protected paths (the rule above
    already refuses any change there; this is defence in depth), caches (.pytest_cache) and
-   package metadata a harness left behind.
-3. Run with an environment the repository cannot influence (`sandbox.clean_env`: none of
-   the caller's variables, no user site-packages) plus, for pytest, PYTEST_ADDOPTS
-   `-p no:cacheprovider -rA` (no cache read from the copy; the short summary that
-   confirms the JUnit report) and PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 unless the task sets
-   `plugin_autoload`. pytest then reads the commit's configuration, content for content
-   (rule 1), so its rootdir and ini file are the commit's and the node ids the task names
-   stay as they were; the reward does not pin `-c`/`--rootdir` or clear `addopts`, which
-   are the task's own choice in its command. A task command that sets PYTEST_ADDOPTS
-   itself replaces this one.
+   package metadata a harness left behind. Then the task's `test_patch` (tests held back
+   from the harness) is applied.
+3. Run jailed with an environment the repository cannot influence (`sandbox.clean_env`:
+   none of the caller's variables, no user site-packages) plus, for pytest, PYTEST_ADDOPTS
+   `-p harnessrl_testguard -p no:cacheprovider` (the guard first; no cache) and
+   PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 unless the task sets `plugin_autoload`. pytest then
+   reads the commit's configuration, content for content (rule 1). A task command that sets
+   PYTEST_ADDOPTS itself replaces this one, and every run of it is then `guard_missing`.
 
 Flags: empty_patch (nothing is run), patch_failed (git could not apply it: paths out of the
 repository or into .git included), the refusal flags of `patch_rules`, and the run's flags
-of `grading` (timeout, early_exit, report_invalid, tests_skipped, tests_xfailed,
-tests_xpassed, tests_missing).
+of `grading`.
 
-What no check here reaches: code the patch puts in the package runs inside the test process
-when the tests import it, and such code can rewrite the runner's reports in memory. The
-code scan of `patch_rules` refuses the plain forms, the run's checks catch the effects of
-the common ones (skips, xfail marks, an early exit, a forged report without the summary
-lines); a determined rewrite of pytest's internals from obfuscated package code is not
-detected.
+What the guard cannot see: code of the patch runs in the test process when the tests
+import it, and code that rewrites the guard itself in memory, or that computes the tested
+values differently because it detects the test runner, is not caught by the run alone;
+held-back tests (`test_patch`) and the regression rule (`known_failures`) are what stand
+against the second.
 
 The metadata fields are described in `coding_task`. Infrastructure problems (git missing,
-a clone timing out, no network namespace where one is required) raise: the reward is then
-missing, not 0.
+a clone timing out, a jail that cannot be set up) raise: the reward is then missing, not 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import stat
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,15 @@ from harnessrl.logs import get_logger
 from harnessrl.services.reward.coding_task import CodingTask
 from harnessrl.services.reward.config import TestsSettings
 from harnessrl.services.reward.episode import Episode, Score
+from harnessrl.services.reward.evidence import Evidence, read
 from harnessrl.services.reward.grading import grade, listed
+from harnessrl.services.reward.jail import (
+    GUARD_MODULE,
+    JAIL_TMP,
+    GuardView,
+    Jail,
+    python_prefixes,
+)
 from harnessrl.services.reward.patch_rules import (
     Pristine,
     Refusal,
@@ -84,98 +92,117 @@ from harnessrl.services.reward.repo_copy import (
     restore,
     tracked,
 )
-from harnessrl.services.reward.run_report import RunReport, SummaryScanner, read_report
-from harnessrl.services.reward.sandbox import NetworkPolicy, RunOutcome, clean_env, run_group
+from harnessrl.services.reward.sandbox import RunOutcome, clean_env
 
 log = get_logger(__name__)
 
-PYTEST_ADDOPTS = "-p no:cacheprovider -rA"
-"""Given to every run's pytest: no cache read from (or written to) the copy; the short
-summary of every outcome, which confirms the JUnit report."""
+PYTEST_ADDOPTS = f"-p {GUARD_MODULE} -p no:cacheprovider"
+"""Given to every run's pytest: the guard, loaded first; no cache read from the copy."""
+JUNIT_IN_JAIL = f"{JAIL_TMP}/harnessrl-junit.xml"
+"""Where a command's `{junit_xml}` points: inside the jail, discarded (nothing reads it)."""
 _REGULAR = ("100644", "100755")
 """git modes of regular files (not links, not submodules)."""
 
 
 class TestsReward:
     """builtin:tests; see the module docstring. One instance scores any number of episodes
-    concurrently (each in its own copy)."""
+    concurrently (each in its own copy and jail)."""
 
     def __init__(self, settings: TestsSettings) -> None:
         self._settings = settings
-        self._network = NetworkPolicy(settings.network)
+        self._jail = Jail(settings)
 
     async def __call__(self, episode: Episode) -> Score:
         """Score the episode's patch. Raises ValueError naming the metadata field when the
-        task is ill-described, RuntimeError or TimeoutError when scoring itself failed."""
+        task is ill-described, RuntimeError (JailError included) or TimeoutError when
+        scoring itself failed."""
         task = CodingTask.from_metadata(episode.task_metadata, self._settings)
         patch = read_patch(episode, self._settings)
         if not patch.strip():
             return Score(0.0, flags=("empty_patch",), message="the harness produced no patch")
-        prefix = await self._network.prefix()
+        async with self.copy(task) as copy:
+            return await self._score(task, patch, copy)
+
+    @contextlib.asynccontextmanager
+    async def copy(self, task: CodingTask) -> AsyncIterator[Copy]:
+        """A private clone of the task's repository at its base commit, with the commit's
+        view of its tests; deleted on exit, whatever happens."""
         scratch = self._settings.scratch_dir
         if scratch is not None:
             scratch.mkdir(parents=True, exist_ok=True)
         workdir = Path(tempfile.mkdtemp(prefix="harnessrl-tests-", dir=scratch))
         try:
-            return await self._score(task, patch, workdir, prefix)
+            repo = workdir / "repo"
+            await clone_at(task.repo, task.base_commit, repo)
+            base = await tracked(repo)
+            yield Copy(workdir, repo, base, await _pristine(repo, base, task))
         finally:
             await asyncio.to_thread(_remove, workdir)
 
-    async def _score(
-        self, task: CodingTask, patch: str, workdir: Path, prefix: tuple[str, ...]
-    ) -> Score:
-        copy = workdir / "repo"
-        await clone_at(task.repo, task.base_commit, copy)
-        base = await tracked(copy)
-        view = await _pristine(copy, base, task)
-        patch_path = workdir / "patch.diff"
-        text = patch if patch.endswith("\n") else patch + "\n"  # git needs the last newline
-        patch_path.write_bytes(text.encode("utf-8", "surrogateescape"))
-        error = await apply_patch(copy, patch_path)
+    async def _score(self, task: CodingTask, patch: str, copy: Copy) -> Score:
+        error = await apply_patch(copy.repo, _write(copy.workdir / "patch.diff", patch))
         if error is not None:
             return Score(0.0, flags=("patch_failed",), message=f"git apply: {error}")
-        changed = await changes(copy)
-        refused = await _refusals(copy, base, changed, view)
+        changed = await changes(copy.repo)
+        refused = await _refusals(copy.repo, copy.base, changed, copy.view)
         if refused:
             return _refused(refused)
-        await restore(copy, task.protected_paths)  # defence in depth: the rules above hold
-        await restore(copy, leftovers(changed, view))
+        await restore(copy.repo, task.protected_paths)  # defence in depth: the rules above hold
+        await restore(copy.repo, leftovers(changed, copy.view))
+        outcome, evidence = await self.run(task, copy)
+        return grade(task, outcome, evidence, [c.path for c in changed])
+
+    async def run(self, task: CodingTask, copy: Copy) -> tuple[RunOutcome, Evidence | None]:
+        """The task's `test_patch` applied to the copy, then its test command run jailed:
+        how the run ended, and the guard's evidence (None for the runner "command")."""
         if task.test_patch.strip():
-            tests_path = workdir / "test_patch.diff"
-            tests = task.test_patch if task.test_patch.endswith("\n") else task.test_patch + "\n"
-            tests_path.write_bytes(tests.encode("utf-8", "surrogateescape"))
-            failed = await apply_patch(copy, tests_path)
+            failed = await apply_patch(
+                copy.repo, _write(copy.workdir / "tests.diff", task.test_patch)
+            )
             if failed is not None:  # the task's own tests do not apply to its commit
                 raise ValueError(f"task metadata.test_patch: does not apply: {failed}")
-        outcome, report = await self._run(task, workdir, copy, prefix)
-        return grade(task, outcome, report)
-
-    async def _run(
-        self, task: CodingTask, workdir: Path, copy: Path, prefix: tuple[str, ...]
-    ) -> tuple[RunOutcome, RunReport]:
-        home, tmp, reports = workdir / "home", workdir / "tmp", workdir / "reports"
-        for directory in (home, tmp, reports):
-            directory.mkdir()
-        junit_xml = reports / "junit.xml"
-        summary = SummaryScanner()
-        command = task.command_with(str(junit_xml))
-        env = clean_env(home, tmp) | runner_env(task)
-        # Checked here, not left to exec: under unshare a missing program is exit code 127.
+        env = clean_env(Path(JAIL_TMP), Path(JAIL_TMP)) | runner_env(task)
+        command = task.command_with(JUNIT_IN_JAIL)
+        # Checked here, not left to exec: inside the jail a missing program is exit code 127.
         if "/" not in command[0] and shutil.which(command[0], path=env["PATH"]) is None:
             raise ValueError(f"task metadata.test_command[0]: {command[0]!r} is not on PATH")
+        prefixes = python_prefixes(task.command_words(), env["PATH"])
+        if task.environment is not None:
+            prefixes.append(Path(task.environment))
+        guard = None
+        if task.runner == "pytest":
+            if not prefixes:
+                raise ValueError(
+                    "task metadata.test_command: no Python environment found in it to load "
+                    "the test guard into (name it in metadata.environment)"
+                )
+            guard = GuardView(
+                (*task.protected_paths, *copy.view.named), tuple(sorted(copy.view.plugin_files))
+            )
         try:
-            outcome = await run_group(
-                (*prefix, *command),
-                cwd=copy,
+            jailed = await self._jail.run(
+                command,
+                repo=copy.repo,
+                prefixes=prefixes,
                 env=env,
+                guard=guard,
                 timeout_s=task.timeout_s,
-                kill_grace_s=self._settings.kill_grace_s,
-                output_cap_bytes=self._settings.output_cap_bytes,
-                on_line=summary.feed,
             )
         except OSError as err:
-            raise ValueError(f"task metadata.test_command: cannot start it: {err}") from err
-        return outcome, read_report(junit_xml, summary)
+            raise RuntimeError(f"reward.tests.bwrap: cannot start the jail: {err}") from err
+        evidence = read(jailed.channel, jailed.key) if guard is not None else None
+        return jailed.outcome, evidence
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """A task repository's private copy (see `TestsReward.copy`)."""
+
+    workdir: Path
+    repo: Path
+    base: dict[str, TrackedFile]
+    """The commit's files."""
+    view: Pristine
 
 
 def read_patch(episode: Episode, settings: TestsSettings) -> str:
@@ -193,10 +220,16 @@ def read_patch(episode: Episode, settings: TestsSettings) -> str:
 
 def runner_env(task: CodingTask) -> dict[str, str]:
     """The variables that pin how pytest runs (see the module docstring)."""
-    env = {"PYTEST_ADDOPTS": PYTEST_ADDOPTS}
+    env = {"PYTEST_ADDOPTS": PYTEST_ADDOPTS} if task.runner == "pytest" else {}
     if not task.plugin_autoload:
         env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     return env
+
+
+def _write(path: Path, patch: str) -> Path:
+    text = patch if patch.endswith("\n") else patch + "\n"  # git needs the last newline
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    return path
 
 
 async def _pristine(copy: Path, base: dict[str, TrackedFile], task: CodingTask) -> Pristine:

@@ -192,23 +192,29 @@ async def run_group(
     kill_grace_s: float,
     output_cap_bytes: int,
     on_line: Callable[[bytes], None] | None = None,
+    pass_fds: Sequence[int] = (),
+    after_start: Callable[[], None] | None = None,
 ) -> RunOutcome:
     """Run `argv` as a new process group; see the module docstring.
 
     At `timeout_s` the group gets SIGTERM, then SIGKILL after `kill_grace_s`. However the
     run ends (exit, timeout, cancellation of this coroutine), whatever is left of the group
     is killed before this returns or raises. `on_line` gets each output line (without its
-    newline). Raises OSError when the command cannot be started.
+    newline); `pass_fds` are inherited by the command; `after_start` is called once it has
+    started. Raises OSError when the command cannot be started.
     """
     process = await asyncio.create_subprocess_exec(
         *argv,
         cwd=cwd,
         env=env,
         start_new_session=True,
+        pass_fds=pass_fds,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
+    if after_start is not None:
+        after_start()
     assert process.stdout is not None
     output = _Output(output_cap_bytes, on_line)
     reader = asyncio.create_task(output.read(process.stdout))

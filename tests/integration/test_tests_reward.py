@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import re
 import shlex
-import shutil
-import subprocess
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ import pytest
 
 from harnessrl.services.reward import config, patch_tests
 from harnessrl.services.reward.episode import Score
-from harnessrl.services.reward.sandbox import NetworkPolicy
+from harnessrl.services.reward.jail import JailError
 from tests.helpers import eventually
 from tests.repo_helpers import PYTEST, coding_episode, git, make_repo, patch_for
 
@@ -175,15 +173,15 @@ async def test_all_pass_scores_zero_unless_every_named_test_passes(
     assert result.components["tests_passed"] == 2.0
 
 
-async def test_named_test_absent_from_report_is_flagged_tests_missing(
+async def test_named_test_that_was_not_collected_scores_zero_flagged_tests_missing(
     project: Project, settings: config.TestsSettings
 ) -> None:
     patch = project.patch({"calc.py": FIXED})
     named = ["tests/test_calc.py::test_add", "tests/test_calc.py::test_nonexistent"]
     result = await score(settings, project.metadata(tests=named), result={"patch": patch})
-    assert result.value == 0.5
-    assert result.flags == ("tests_missing",)
-    assert "tests/test_calc.py::test_nonexistent" in result.message
+    assert (result.value, result.flags) == (0.0, ("tests_missing",))
+    assert result.components["tests_passed"] == 1.0
+    assert "not collected: tests/test_calc.py::test_nonexistent" in result.message
 
 
 async def test_patch_file_in_artifacts_wins_over_result_key(
@@ -247,31 +245,48 @@ async def test_bad_metadata_raises_naming_the_field(
 
 ENV_PROBE = """import json, os, sys
 names = ["PYTEST_ADDOPTS", "PYTEST_DISABLE_PLUGIN_AUTOLOAD", "PYTHONNOUSERSITE", "SECRET"]
-json.dump({n: os.environ.get(n) for n in names}, open(sys.argv[1], "w"))
+seen = {n: os.environ.get(n) for n in names}
+print(json.dumps(seen))
+sys.exit(0 if seen == json.loads(sys.argv[1]) else 1)
 """
 
 
-@pytest.mark.parametrize("autoload", [False, True])
+@pytest.mark.parametrize(
+    ("runner", "autoload"), [("command", False), ("command", True), ("pytest", False)]
+)
 async def test_run_environment_pins_pytest_and_leaves_the_callers_out(
     project: Project,
     settings: config.TestsSettings,
-    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    runner: str,
     autoload: bool,
 ) -> None:
+    """The probe runs jailed and exits 0 only when it sees the expected environment."""
     monkeypatch.setenv("SECRET", "the caller's")
     monkeypatch.setenv("PYTEST_ADDOPTS", "-p the_callers_plugin")
-    seen = tmp_path / "env.json"
-    command = [sys.executable, "-c", ENV_PROBE, str(seen)]
-    metadata = project.metadata(test_command=command, tests=[], plugin_autoload=autoload)
-    result = await score(settings, metadata, result={"patch": project.patch({"calc.py": FIXED})})
-    assert result.value == 1.0, result.message
-    assert json.loads(seen.read_text()) == {
-        "PYTEST_ADDOPTS": "-p no:cacheprovider -rA",
+    expected = {
+        "PYTEST_ADDOPTS": "-p harnessrl_testguard -p no:cacheprovider"
+        if runner == "pytest"
+        else None,
         "PYTEST_DISABLE_PLUGIN_AUTOLOAD": None if autoload else "1",
         "PYTHONNOUSERSITE": "1",
         "SECRET": None,
     }
+    probe = [sys.executable, "-c", ENV_PROBE, json.dumps(expected)]
+    if runner == "pytest":  # the probe as a test of the repository's, run by pytest
+        test = "import subprocess, sys\n\n\ndef test_env():\n"
+        test += f"    assert subprocess.run({probe!r}).returncode == 0\n"
+        files = {"calc.py": FIXED, "tests/test_env.py": test}
+        repo = project.root / "env-probe"
+        project = Project(repo, make_repo(repo, files), project.root)
+        command: list[str] = [*PYTEST, "tests"]
+    else:
+        command = probe
+    metadata = project.metadata(
+        test_command=command, tests=[], plugin_autoload=autoload, runner=runner
+    )
+    result = await score(settings, metadata, result={"patch": project.patch({"x.txt": "x\n"})})
+    assert result.value == 1.0, result.message
 
 
 async def test_patch_changing_a_file_the_test_command_runs_is_flagged_tests_modified(
@@ -282,7 +297,9 @@ async def test_patch_changing_a_file_the_test_command_runs_is_flagged_tests_modi
     repo = tmp_path / "scripted"
     project = Project(repo, make_repo(repo, files), tmp_path)
     metadata = project.metadata(
-        test_command=["sh", "ci/run_tests.sh", "--junitxml={junit_xml}"], protected_paths=[]
+        test_command=["sh", "ci/run_tests.sh", "--junitxml={junit_xml}"],
+        protected_paths=[],
+        environment=sys.prefix,  # the script's pytest: not a word of the command
     )
     fixed = await score(settings, metadata, result={"patch": project.patch({"calc.py": FIXED})})
     assert fixed.value == 1.0, fixed.message
@@ -334,9 +351,10 @@ async def test_patch_changing_a_plugin_the_tests_load_is_flagged_runner_patched(
     assert "helpers/plugin.py: a module the tests' configuration loads" in result.message
 
 
-def _hanging_project(root: Path, pid_file: Path) -> Project:
-    """A repository whose test starts a child, records both pids, and never ends; both
-    ignore SIGTERM, so only the SIGKILL after the grace ends them."""
+def _hanging_project(root: Path, marker: str) -> Project:
+    """A repository whose test starts a child in its own session (as a process escaping its
+    group would) and never ends; both ignore SIGTERM, so only the jail's end ends them.
+    `marker` is in both command lines, for `_jailed_alive`."""
     test = f"""import os, signal, subprocess, sys, time
 
 CHILD = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
@@ -344,10 +362,7 @@ CHILD = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); tim
 
 def test_hangs():
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    child = subprocess.Popen([sys.executable, "-c", CHILD])
-    with open({str(pid_file) + ".tmp"!r}, "w") as out:
-        out.write(f"{{os.getpid()}} {{child.pid}}")
-    os.replace({str(pid_file) + ".tmp"!r}, {str(pid_file)!r})
+    subprocess.Popen([sys.executable, "-c", CHILD, {marker!r}], start_new_session=True)
     time.sleep(600)
 """
     repo = root / "hanging"
@@ -355,60 +370,53 @@ def test_hangs():
     return Project(repo, base, root)
 
 
-def _running(pid: int) -> bool:
-    """Whether the process exists and is not a zombie (one waiting to be reaped is dead)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+def _jailed_alive(marker: str) -> int:
+    """How many live processes (not zombies) carry the marker in their command line."""
+    alive = 0
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
+            continue
+        if marker.encode() in cmdline and state not in ("Z", "X"):
+            alive += 1
+    return alive
 
 
-async def test_hanging_run_is_cut_at_its_timeout_with_its_whole_group(
+async def test_hanging_run_is_cut_at_its_timeout_with_everything_it_started(
     tmp_path: Path, settings: config.TestsSettings
 ) -> None:
-    pid_file = tmp_path / "pids"
-    project = _hanging_project(tmp_path, pid_file)
+    marker = f"harnessrl-hang-{uuid.uuid4().hex}"
+    project = _hanging_project(tmp_path, marker)
     patch = project.patch({"README.md": "anything\n"})
-    metadata = project.metadata(tests=[], timeout_s=1.5)
+    command = [*PYTEST, "tests"]
+    metadata = project.metadata(tests=[], timeout_s=3, test_command=command)
     result = await score(settings, metadata, result={"patch": patch})
     assert (result.value, result.flags) == (0.0, ("timeout",))
-    pids = [int(p) for p in pid_file.read_text().split()]
-    await eventually(lambda: not any(_running(pid) for pid in pids), timeout=5)
+    await eventually(lambda: _jailed_alive(marker) == 0, timeout=5)
 
 
 async def test_cancelled_scoring_kills_the_run_and_removes_the_copy(
     tmp_path: Path, settings: config.TestsSettings
 ) -> None:
-    pid_file = tmp_path / "pids"
-    project = _hanging_project(tmp_path, pid_file)
+    marker = f"harnessrl-hang-{uuid.uuid4().hex}"
+    project = _hanging_project(tmp_path, marker)
     patch = project.patch({"README.md": "anything\n"})
-    scoring = asyncio.create_task(
-        score(settings, project.metadata(tests=[]), result={"patch": patch})
-    )
-    await eventually(pid_file.exists, timeout=15)
+    metadata = project.metadata(tests=[], test_command=[*PYTEST, "tests"])
+    scoring = asyncio.create_task(score(settings, metadata, result={"patch": patch}))
+    await eventually(lambda: _jailed_alive(marker) == 1, timeout=15)
     scoring.cancel()
     with pytest.raises(asyncio.CancelledError):
         await scoring
-    pids = [int(p) for p in pid_file.read_text().split()]
-    await eventually(lambda: not any(_running(pid) for pid in pids), timeout=5)
+    await eventually(lambda: _jailed_alive(marker) == 0, timeout=5)
     assert settings.scratch_dir is not None
     assert list(settings.scratch_dir.iterdir()) == []
 
 
-def _netns_works() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    return (
-        subprocess.run(["unshare", "-rn", "true"], check=False, capture_output=True).returncode == 0
-    )
-
-
-async def test_network_off_cannot_reach_a_loopback_server(
+async def test_a_run_cannot_reach_a_server_on_the_hosts_loopback(
     tmp_path: Path, settings: config.TestsSettings
 ) -> None:
-    if not _netns_works():
-        pytest.skip("this machine cannot make a network namespace (unshare -rn true fails)")
     connections = 0
 
     async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -422,46 +430,44 @@ async def test_network_off_cannot_reach_a_loopback_server(
     repo = tmp_path / "plain"
     project = Project(repo, make_repo(repo, {"README.md": "plain\n"}), tmp_path)
     patch = project.patch({"README.md": "patched\n"})
-    metadata = project.metadata(test_command=[sys.executable, "-c", connect], tests=[])
+    command = [sys.executable, "-c", connect]
+    metadata = project.metadata(test_command=command, tests=[], runner="command")
     async with server:
-        # Control: with the host's network the same command reaches the server.
-        reached = await score(
-            settings.model_copy(update={"network": "on"}), metadata, result={"patch": patch}
-        )
-        assert (reached.value, connections) == (1.0, 1), reached.message
-        cut_off = await score(
-            settings.model_copy(update={"network": "off"}), metadata, result={"patch": patch}
-        )
+        # Control: outside the jail the same command reaches the server.
+        control = await asyncio.create_subprocess_exec(*command)
+        assert await control.wait() == 0
+        await eventually(lambda: connections == 1, timeout=5)
+        cut_off = await score(settings, metadata, result={"patch": patch})
     assert cut_off.value == 0.0
     assert cut_off.components["exit_code"] != 0.0
     assert "Connection refused" in cut_off.message, cut_off.message  # not the host's port
     assert connections == 1
-    # Loopback inside the namespace is up: a suite may serve and connect on localhost.
+    # Loopback inside the jail is up: a suite may serve and connect on localhost.
     serve_and_connect = (
         "import socket; s = socket.create_server(('127.0.0.1', 0)); "
         "socket.create_connection(s.getsockname(), timeout=3).close()"
     )
     local = await score(
-        settings.model_copy(update={"network": "off"}),
-        project.metadata(test_command=[sys.executable, "-c", serve_and_connect], tests=[]),
+        settings,
+        project.metadata(
+            test_command=[sys.executable, "-c", serve_and_connect], tests=[], runner="command"
+        ),
         result={"patch": patch},
     )
     assert local.value == 1.0, local.message
 
 
-async def test_network_auto_falls_back_once_logged_where_off_refuses(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+async def test_a_jail_that_cannot_be_set_up_is_an_error_never_an_unjailed_run(
+    project: Project, settings: config.TestsSettings
 ) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path))  # no unshare to be found
-    with pytest.raises(RuntimeError, match=re.escape('reward.tests.network: "off"')):
-        await NetworkPolicy("off").prefix()
-    auto = NetworkPolicy("auto")
-    with caplog.at_level(logging.WARNING):
-        assert await auto.prefix() == ()
-        assert await auto.prefix() == ()
-    assert [r.getMessage() for r in caplog.records] == [
-        "test runs will have the host's network: no network namespace here"
-    ]
+    patch = project.patch({"calc.py": FIXED})
+    missing = settings.model_copy(update={"bwrap": "no-such-bwrap"})
+    with pytest.raises(JailError, match=re.escape("reward.tests.bwrap: 'no-such-bwrap'")):
+        await score(missing, project.metadata(), result={"patch": patch})
+    # bwrap that fails before it starts the command (an option it refuses)
+    broken = settings.model_copy(update={"read_only": [Path("/nonexistent/harnessrl")]})
+    with pytest.raises(JailError, match="could not be set up"):
+        await score(broken, project.metadata(), result={"patch": patch})
 
 
 async def test_copy_is_removed_and_source_untouched(

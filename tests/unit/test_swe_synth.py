@@ -161,10 +161,12 @@ async def test_a_synthesized_task_scores_1_with_its_gold_patch(
     from harnessrl.services.reward.config import TestsSettings
     from harnessrl.services.reward.patch_tests import TestsReward
 
-    reward = TestsReward(TestsSettings(network="on"))
-    gold = await reward(coding_episode(line["metadata"], result={"patch": task.patch}))
+    reward = TestsReward(TestsSettings())
+    # The environment's python is a script running this venv's: the jail must show both.
+    metadata = line["metadata"] | {"environment": sys.prefix}
+    gold = await reward(coding_episode(metadata, result={"patch": task.patch}))
     assert gold.value == 1.0, gold.message
-    empty = await reward(coding_episode(line["metadata"], result={"patch": ""}))
+    empty = await reward(coding_episode(metadata, result={"patch": ""}))
     assert empty.value == 0.0 and "empty_patch" in empty.flags
 
 

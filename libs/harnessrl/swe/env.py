@@ -28,7 +28,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harnessrl.services.reward.run_report import address_of
+from harnessrl.services.reward.test_names import address_of
 from harnessrl.swe.projects import Project
 
 JUNIT_PLACEHOLDER = "{junit_xml}"
