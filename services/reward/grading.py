@@ -36,7 +36,7 @@ from harnessrl.services.reward.coding_task import CodingTask
 from harnessrl.services.reward.episode import Score
 from harnessrl.services.reward.evidence import Evidence, Outcome, all_outcomes, inconsistencies
 from harnessrl.services.reward.sandbox import RunOutcome
-from harnessrl.services.reward.test_names import named_by, status_of
+from harnessrl.services.reward.test_names import NameIndex, status_of
 
 LISTED = 10
 """Most test names a message lists."""
@@ -84,9 +84,10 @@ def _named(
     components: dict[str, float],
     tail: str,
 ) -> Score:
+    index = NameIndex(outcomes)
     by_outcome: dict[str, list[str]] = {}
     for name in task.tests:
-        status = status_of(name, outcomes, evidence.collect_problems)
+        status = status_of(name, outcomes, evidence.collect_problems, index)
         by_outcome.setdefault(status or "missing", []).append(name)
     passed = by_outcome.get("passed", [])
     components["tests_passed"] = float(len(passed))
@@ -94,7 +95,7 @@ def _named(
     flags = [flag for key, flag in _ZEROING.items() if key in by_outcome]
     if "missing" in by_outcome:
         flags.append("tests_missing")
-    regressed = _regressions(task, evidence, outcomes)
+    regressed = _regressions(task, evidence, outcomes, index)
     if regressed:
         flags.append("tests_regressed")
         components["tests_regressed"] = float(len(regressed))
@@ -107,19 +108,22 @@ def _named(
     if value == 1.0:
         return Score(value, components, (), f"all {len(passed)} named tests passed")
     summary = _summary(by_outcome, task, regressed)
-    texts = [
-        evidence.texts[n] for n in _failed_nodeids(by_outcome, outcomes) if n in evidence.texts
+    failed = [
+        n for key in ("failed", "error") for m in by_outcome.get(key, []) for n in index.named_by(m)
     ]
+    texts = [evidence.texts[n] for n in failed if n in evidence.texts]
     return Score(value, components, tuple(flags), _message(summary, tail, texts[:2]))
 
 
-def _regressions(task: CodingTask, evidence: Evidence, outcomes: dict[str, Outcome]) -> list[str]:
+def _regressions(
+    task: CodingTask, evidence: Evidence, outcomes: dict[str, Outcome], index: NameIndex
+) -> list[str]:
     """Tests (and collectors) outside the named tests and the known failures that failed,
     when the task lists its known failures."""
     if task.known_failures is None:
         return []
-    named = {n for name in task.tests for n in named_by(name, list(outcomes))}
-    known = {n for name in task.known_failures for n in named_by(name, list(outcomes))}
+    named = {n for name in task.tests for n in index.named_by(name)}
+    known = {n for name in task.known_failures for n in index.named_by(name)}
     known_collectors = set(task.known_failures)
     found = [
         nodeid
@@ -142,11 +146,6 @@ def _preloaded(evidence: Evidence, changed: Sequence[str]) -> list[tuple[str, st
     if early:
         return [("runner_tampered", f"imported before the guard: {listed(early)}")]
     return []
-
-
-def _failed_nodeids(by_outcome: dict[str, list[str]], outcomes: dict[str, Outcome]) -> list[str]:
-    names = by_outcome.get("failed", []) + by_outcome.get("error", [])
-    return [n for name in names for n in named_by(name, list(outcomes))]
 
 
 def _by_exit_code(ok: bool, components: dict[str, float], outcome: RunOutcome, tail: str) -> Score:

@@ -17,7 +17,7 @@ module skipped at import, one that failed to import); else it is missing (None).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from harnessrl.services.reward.evidence import Outcome
 
@@ -41,24 +41,46 @@ def address_of(nodeid: str) -> str:
     return ".".join(part for part in parts if part)
 
 
+class NameIndex:
+    """The node ids of a run, indexed so that a named test finds what it names at once
+    (a task may name thousands of tests)."""
+
+    def __init__(self, nodeids: Iterable[str]) -> None:
+        self._exact: dict[str, list[str]] = {}
+        """Every dotted suffix of an address -> its node ids."""
+        self._bare: dict[str, list[str]] = {}
+        """Every dotted suffix of an address without parameters -> its node ids."""
+        for nodeid in nodeids:
+            address = address_of(nodeid)
+            for suffix in _suffixes(address):
+                self._exact.setdefault(suffix, []).append(nodeid)
+            for suffix in _suffixes(_unparam(address)):
+                self._bare.setdefault(suffix, []).append(nodeid)
+
+    def named_by(self, named: str) -> list[str]:
+        """The node ids the named test names."""
+        target = address_of(named)
+        found = list(self._exact.get(target, ()))
+        if _PARAMS.search(target) is None:
+            found += self._bare.get(target, ())
+        return list(dict.fromkeys(found))
+
+
 def named_by(named: str, nodeids: Sequence[str]) -> list[str]:
     """The node ids the named test names."""
-    target = address_of(named)
-    bare = _PARAMS.search(target) is None
-    return [
-        nodeid
-        for nodeid in nodeids
-        if _names(target, address := address_of(nodeid))
-        or (bare and _names(target, _unparam(address)))
-    ]
+    return NameIndex(nodeids).named_by(named)
 
 
 def status_of(
-    named: str, outcomes: Mapping[str, Outcome], collectors: Mapping[str, str]
+    named: str,
+    outcomes: Mapping[str, Outcome],
+    collectors: Mapping[str, str],
+    index: NameIndex | None = None,
 ) -> Outcome | None:
     """The named test's outcome from the run's test outcomes (node id -> outcome) and its
-    collectors that did not pass (node id -> "failed" or "skipped"); None when missing."""
-    hits = [outcomes[n] for n in named_by(named, list(outcomes))]
+    collectors that did not pass (node id -> "failed" or "skipped"); None when missing.
+    `index`: of the outcomes' node ids, when the caller asks for many names."""
+    hits = [outcomes[n] for n in (index or NameIndex(outcomes)).named_by(named)]
     if hits:
         return worst(hits)
     target = address_of(named)
@@ -74,8 +96,13 @@ def worst(outcomes: Sequence[Outcome]) -> Outcome:
     return max(outcomes, key=_RANK.__getitem__)
 
 
-def _names(target: str, address: str) -> bool:
-    return address == target or address.endswith("." + target)
+def _suffixes(address: str) -> list[str]:
+    """The address and each of its dotted suffixes ("a.b.c", "b.c", "c"); a dot inside
+    parameters ("test_x[1.5]") is not a separator."""
+    head, bracket, params = address.partition("[")
+    parts = head.split(".")
+    tail = bracket + params
+    return [".".join(parts[i:]) + tail for i in range(len(parts))]
 
 
 def _holds(container: str, target: str) -> bool:

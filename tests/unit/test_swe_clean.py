@@ -70,7 +70,7 @@ def test_an_imported_file_goes_through_clean_with_every_drop_reason(tmp_path: Pa
         _task("leak", problem_statement=f"{STATEMENT} Fix: {FIXED_LINE}"),
         _task("no-tests", FAIL_TO_PASS="[]"),
         _task("many-f2p", FAIL_TO_PASS=[f"t.py::test_{i}" for i in range(21)]),
-        _task("many", PASS_TO_PASS=[f"t.py::test_p{i}" for i in range(500)]),
+        _task("many", PASS_TO_PASS=[f"t.py::test_p{i}" for i in range(5000)]),
         _task("good-1", repo="acme/other", problem_statement=_other(STATEMENT)),
         _task("same-patch", patch=_task("good-1")["patch"].replace("@@ -40,7", "@@ -41,7")),
         _task("same-tests", FAIL_TO_PASS=_task("good-1")["FAIL_TO_PASS"], patch=other_patch),

@@ -74,12 +74,9 @@ PROJECT = Project("calc", "1.0", "0" * 64, "calc.py", "tests")
 def pristine(tmp_path: Path) -> Path:
     repo = tmp_path / "calc-1.0"
     make_repo(repo, {"calc.py": CALC, "tests/test_calc.py": TESTS})
-    # The environment: this venv's python (it has pytest, and no `calc`), without the
-    # plugins it has installed (they cost a second a run).
-    python = tmp_path / "env" / "bin" / "python"
-    python.parent.mkdir(parents=True)
-    python.write_text(f'#!/bin/sh\nPYTEST_DISABLE_PLUGIN_AUTOLOAD=1 exec {sys.executable} "$@"\n')
-    python.chmod(0o755)
+    # The environment: this venv (it has pytest, and no `calc`); test runs load none of the
+    # plugins it has installed (PYTEST_DISABLE_PLUGIN_AUTOLOAD, as builtin:tests runs them).
+    (tmp_path / "env").symlink_to(sys.prefix)
     return repo
 
 
@@ -162,8 +159,7 @@ async def test_a_synthesized_task_scores_1_with_its_gold_patch(
     from harnessrl.services.reward.patch_tests import TestsReward
 
     reward = TestsReward(TestsSettings())
-    # The environment's python is a script running this venv's: the jail must show both.
-    metadata = line["metadata"] | {"environment": sys.prefix}
+    metadata = line["metadata"]
     gold = await reward(coding_episode(metadata, result={"patch": task.patch}))
     assert gold.value == 1.0, gold.message
     empty = await reward(coding_episode(metadata, result={"patch": ""}))

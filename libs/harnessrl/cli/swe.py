@@ -65,6 +65,7 @@ def _register_synth(stages: Any) -> None:
         ("seed", "which candidates are drawn"),
         ("jobs", "candidates checked at once"),
         ("timeout_factor", "a candidate's run is cut at this times the baseline (+30 s)"),
+        ("full_suite_s", "tasks run the whole suite when its baseline takes at most this (s)"),
     ):
         value = getattr(defaults, name)
         synth.add_argument(
@@ -73,6 +74,13 @@ def _register_synth(stages: Any) -> None:
             default=value,
             help=f"{help_text} (default {value})",
         )
+    synth.add_argument(
+        "--no-hold-back",
+        dest="hold_back",
+        action="store_false",
+        help="keep every failing test in the task's repository (default: half of the failing "
+        "test functions are held back from the harness, restored in the reward's copy)",
+    )
     synth.set_defaults(run=run_synth)
 
 

@@ -42,7 +42,7 @@ LEAK_CHARS = 12
 class CleanSettings:
     min_statement_chars: int = 40
     max_fail_to_pass: int = 20
-    max_tests: int = 500
+    max_tests: int = 5000
     near_duplicate: float = 0.9
     val_fraction: float = 0.2
 

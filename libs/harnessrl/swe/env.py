@@ -9,26 +9,27 @@ The environment holds the test runner and the project's test dependencies but ne
 project itself: the tests import the code from the working copy (its import root on
 PYTHONPATH), so no pristine copy of the code is in the agent's reach. pip and setuptools
 are removed once the install is done (they vendor six, packaging, idna, more_itertools),
-and a build that still holds a module named like the project anywhere fails. Outcomes are read
-from pytest's `-rA` summary lines (node ids as pytest prints them); failure texts from its
-JUnit report. A test counts as passing only when pytest says PASSED: not skipped, not
-xfailed, not deselected.
+and a build that still holds a module named like the project anywhere fails. Every run is
+made as builtin:tests makes it: in the test jail, under the test guard (`reward.jail`), and
+its outcomes (and failure texts) are the guard's, so a task's baseline, its checks and its
+validation see what its scoring will see. A test counts as passing only when pytest says
+passed: not skipped, not xfailed, not deselected.
 """
 
 from __future__ import annotations
 
-import os
+import asyncio
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import venv
-import xml.etree.ElementTree as ET
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
-from harnessrl.services.reward.test_names import address_of
 from harnessrl.swe.projects import Project
 
 JUNIT_PLACEHOLDER = "{junit_xml}"
@@ -38,7 +39,15 @@ PYTEST = "pytest==9.2.0"
 """The test runner every environment gets (pinned, so outcomes do not drift with it)."""
 _RECIPE = "recipe 2: pip and setuptools removed after the install"
 """In the stamp: an environment built by an older recipe is built again."""
-_SUMMARY = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
+T = TypeVar("T")
+_WORDS = {
+    "passed": "PASSED",
+    "failed": "FAILED",
+    "error": "ERROR",
+    "skipped": "SKIPPED",
+    "xfailed": "XFAIL",
+    "xpassed": "XPASS",
+}
 
 
 class EnvError(RuntimeError):
@@ -53,6 +62,9 @@ class TestRun:
     """Node id -> what the runner reported for it (failures and errors)."""
     seconds: float = 0.0
     timed_out: bool = False
+    problems: tuple[str, ...] = ()
+    """How the run does not add up (builtin:tests' flags: runner_tampered, exit_mismatch,
+    ...); () for a run the reward would grade."""
 
     @property
     def passed(self) -> set[str]:
@@ -155,47 +167,71 @@ def run_tests(
     command = pytest_command(project, env)
     if tests:
         command = [*command[:-1], *tests]
-    return run_command(command, repo, timeout_s, what=project.requirement)
+    return run_command(command, repo, timeout_s, what=project.requirement, tests=[project.tests])
 
 
-def run_command(command: list[str], repo: Path, timeout_s: float, what: str = "") -> TestRun:
+def run_command(
+    command: list[str],
+    repo: Path,
+    timeout_s: float,
+    what: str = "",
+    tests: Sequence[str] = (),
+) -> TestRun:
     """One run of a pytest `command` (as `pytest_command` makes it: `{junit_xml}` is filled
-    in) in `repo`, with none of the caller's Python settings."""
-    env_vars = {
-        **{
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("PYTHON", "VIRTUAL_ENV", "PYTEST"))
-        },
-        "PYTHONDONTWRITEBYTECODE": "1",
-        # as builtin:tests runs them: no user site, no plugins loaded by entry point
-        "PYTHONNOUSERSITE": "1",
+    in) in `repo`, jailed and guarded as builtin:tests runs it; `tests`: the repository's
+    test paths (the guard's test side, besides test_*.py and test/ directories). Raises
+    EnvError when the guard never reported (pytest did not start, or did not load it)."""
+    return blocking(lambda: _run_jailed(command, repo, timeout_s, what, tuple(tests)))
+
+
+def blocking(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run the coroutine `make()` returns to its end, from synchronous code: in a new event
+    loop, in a thread of its own when this thread already runs one."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    with ThreadPoolExecutor(1, thread_name_prefix="swe-run") as pool:
+        return pool.submit(lambda: asyncio.run(make())).result()
+
+
+async def _run_jailed(
+    command: list[str], repo: Path, timeout_s: float, what: str, tests: tuple[str, ...]
+) -> TestRun:
+    from harnessrl.services.reward import evidence as proof
+    from harnessrl.services.reward.config import TestsSettings
+    from harnessrl.services.reward.jail import GuardView, Jail, python_prefixes
+    from harnessrl.services.reward.patch_tests import JUNIT_IN_JAIL, PYTEST_ADDOPTS
+    from harnessrl.services.reward.sandbox import clean_env
+
+    env = clean_env(Path("/tmp"), Path("/tmp")) | {
+        "PYTEST_ADDOPTS": PYTEST_ADDOPTS,
         "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
     }
-    with tempfile.TemporaryDirectory(prefix="swe-run-") as scratch:
-        junit = Path(scratch) / "junit.xml"
-        argv = [arg.replace(JUNIT_PLACEHOLDER, str(junit)) for arg in command]
-        started = time.monotonic()
-        try:
-            done = subprocess.run(
-                argv,
-                cwd=repo,
-                env=env_vars,
-                capture_output=True,
-                text=True,
-                errors="replace",
-                timeout=timeout_s,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            return TestRun({}, {}, time.monotonic() - started, timed_out=True)
-        seconds = time.monotonic() - started
-        if done.returncode not in (0, 1) and "PASSED" not in done.stdout:
-            tail = (done.stdout + done.stderr)[-2000:]
-            raise EnvError(f"{what or argv[0]}: pytest exited {done.returncode}: {tail}")
-        outcomes = _outcomes(done.stdout)
-        failures = _failure_texts(junit, outcomes)
-    return TestRun(outcomes, failures, seconds)
+    argv = [arg.replace(JUNIT_PLACEHOLDER, JUNIT_IN_JAIL) for arg in command]
+    started = time.monotonic()
+    jailed = await Jail(TestsSettings(timeout_s=max(timeout_s, 1.0))).run(
+        argv,
+        repo=repo,
+        prefixes=python_prefixes(argv, env["PATH"]),
+        env=env,
+        guard=GuardView(tests, ()),
+        timeout_s=timeout_s,
+    )
+    seconds = time.monotonic() - started
+    if jailed.outcome.timed_out:
+        return TestRun({}, {}, seconds, timed_out=True)
+    evidence = proof.read(jailed.channel, jailed.key)
+    if evidence.hello is None or (evidence.exitstatus not in (0, 1) and not evidence.phases):
+        tail = jailed.outcome.output_tail.decode("utf-8", "replace")[-2000:]
+        code = jailed.outcome.exit_code
+        raise EnvError(f"{what or argv[0]}: pytest exited {code} and reported no test: {tail}")
+    problems = tuple(
+        dict.fromkeys(f for f, _ in proof.inconsistencies(evidence, jailed.outcome.exit_code))
+    )
+    outcomes = {n: _WORDS[o] for n, o in proof.all_outcomes(evidence).items()}
+    failures = {n: evidence.texts[n] for n in outcomes if n in evidence.texts}
+    return TestRun(outcomes, failures, seconds, problems=problems)
 
 
 def reliable_passes(
@@ -209,37 +245,3 @@ def reliable_passes(
 
 def _python(env: Path) -> Path:
     return env / ("Scripts" if sys.platform == "win32" else "bin") / "python"
-
-
-def _outcomes(stdout: str) -> dict[str, str]:
-    """Node id -> outcome from pytest's `-rA` short summary (the last word wins)."""
-    out: dict[str, str] = {}
-    for line in stdout.splitlines():
-        word, _, rest = line.partition(" ")
-        if word not in _SUMMARY or not rest:
-            continue
-        node = rest.split(" - ", 1)[0].strip()
-        if word in ("SKIPPED", "XFAIL", "XPASS") and node.startswith("["):
-            continue  # "SKIPPED [1] file.py:3: reason": a location, not a node id
-        out[node] = word
-    return out
-
-
-def _failure_texts(junit: Path, outcomes: dict[str, str]) -> dict[str, str]:
-    """Node id -> the JUnit report's text for each failed or errored test."""
-    if not junit.is_file():
-        return {}
-    try:
-        root = ET.parse(junit).getroot()
-    except ET.ParseError:
-        return {}
-    by_address = {address_of(node): node for node in outcomes}
-    texts: dict[str, str] = {}
-    for case in root.iter("testcase"):
-        address = ".".join(p for p in (case.get("classname"), case.get("name")) if p)
-        node = by_address.get(address)
-        for tag in ("failure", "error"):
-            element = case.find(tag)
-            if node is not None and element is not None:
-                texts[node] = (element.get("message") or "") + "\n" + (element.text or "")
-    return texts

@@ -11,13 +11,20 @@ For each project, in stages, each of which a rerun skips when its result is on d
 4. candidates: AST mutations of the project's code, never its tests (`mutate.mutations`), a
    seeded sample of at most `candidates` per project, in a seeded order;
 5. check: each candidate runs the whole suite once; FAIL_TO_PASS is the reliable tests that
-   no longer pass. Kept when 1 <= |FAIL_TO_PASS| <= `max_fail_to_pass` (so every other
-   reliable test still passes) and no kept task of the project has the same FAIL_TO_PASS;
-   at most `per_project` are kept. As in SWE-bench, the task's tests are the test files of
-   its FAIL_TO_PASS, and PASS_TO_PASS the other reliable tests of those files;
+   no longer pass: every test the bug makes fail anywhere in the suite. Kept when
+   1 <= |FAIL_TO_PASS| <= `max_fail_to_pass` (so every other reliable test still passes)
+   and no kept task of the project has the same FAIL_TO_PASS; at most `per_project` are
+   kept. The task's command runs the whole suite when its baseline run takes at most
+   `full_suite_s`, else (as in SWE-bench) the test files of its FAIL_TO_PASS; PASS_TO_PASS
+   is every other reliable test the command runs, and `known_failures` the tests it runs
+   that failed in a baseline run (the only tests besides the named ones allowed to fail:
+   builtin:tests scores 0 a patch that makes any other test fail, named or not);
 6. task: a repository of one commit holding the buggy tree and nothing else (no history,
    no pristine file, not even as an unreachable object), the gold patch (the fix, as a
-   `git diff` would write it), and a problem statement written from what fails.
+   `git diff` would write it), and a problem statement written from what fails. When the
+   bug breaks several test functions, half of them are held back (`holdback`): cut from
+   the repository's test files, restored by the task's `test_patch` in the reward's copy
+   only, and left out of the problem statement.
 
 Output, under `out`:
 
@@ -60,6 +67,7 @@ import orjson
 from harnessrl.swe import deploy
 from harnessrl.swe import env as envs
 from harnessrl.swe.fetch import checkout, git
+from harnessrl.swe.holdback import choose, cut, function_of
 from harnessrl.swe.mutate import Mutation, mutations
 from harnessrl.swe.projects import Project
 from harnessrl.swe.statement import Failure, problem_statement
@@ -84,6 +92,11 @@ class SynthSettings:
     """Candidates checked at once (one test run each)."""
     timeout_factor: float = 6.0
     """A candidate's run is cut at this many times the baseline's (plus 30 s)."""
+    full_suite_s: float = 120.0
+    """A task runs the whole suite when the baseline run takes at most this many seconds,
+    else the test files of its failing tests."""
+    hold_back: bool = True
+    """Hold back half of the failing test functions from the harness (see `holdback`)."""
 
 
 @dataclass(slots=True)
@@ -184,7 +197,10 @@ class _Job:
     settings: SynthSettings
     report: ProjectReport
     reliable: list[str]
+    failing: list[str]
+    """Tests that failed or errored in a baseline run (they may fail in a task's run)."""
     command: list[str]
+    full_suite: bool
     timeout_s: float
     kept_sets: set[tuple[str, ...]]
     kept: int
@@ -201,11 +217,15 @@ class _Job:
         original = target.read_bytes()
         target.write_bytes(mutation.source.encode("utf-8"))
         try:
-            run = envs.run_command(self.command, copy, self.timeout_s, self.project.requirement)
+            run = envs.run_command(
+                self.command, copy, self.timeout_s, self.project.requirement, [self.project.tests]
+            )
         finally:
             target.write_bytes(original)
         if run.timed_out:
             return {"status": "timeout"}
+        if run.problems:  # the run does not add up under the guard: no task of it
+            return {"status": "unguarded", "problems": list(run.problems)}
         broken = sorted(t for t in self.reliable if run.outcomes.get(t) != "PASSED")
         if not broken:
             return {"status": "no_failing_tests"}
@@ -231,33 +251,39 @@ class _Job:
         instance_id = f"{project.name}-{project.version}__{mutation.kind}-{candidate.key[:10]}"
         original = (self.pristine / mutation.path).read_bytes().decode("utf-8")
         patch = unified_patch(mutation.path, mutation.source, original)
+        held, visible, test_patch = self._held_back(candidate, broken)
         repo = self.out / "repos" / f"{instance_id}.git"
-        commit = task_repository(self.pristine, {mutation.path: mutation.source}, repo)
+        commit = task_repository(self.pristine, {mutation.path: mutation.source, **visible}, repo)
         fix_lines = [
             line[1:]
             for line in patch.splitlines()
             if line[:1] in "+-" and not line.startswith(("+++", "---"))
         ]
-        failures = [Failure(test, _reported(run, test)) for test in broken]
-        # As SWE-bench does: the task runs the test files of its failing tests, and
-        # PASS_TO_PASS is what else passes there (the whole suite was checked above).
+        shown = [t for t in broken if function_of(t) not in held]
+        failures = [Failure(test, _reported(run, test)) for test in shown]
         files = sorted({test.split("::", 1)[0] for test in broken})
+        # The whole suite, or (as SWE-bench does) the test files of the failing tests.
+        command = self.command if self.full_suite else [*self.command[:-1], *files]
+
+        def scope(test: str) -> bool:
+            return self.full_suite or test.split("::", 1)[0] in files
+
         broken_set = set(broken)
         return {
             "instance_id": instance_id,
             "repo": str(repo.resolve()),
             "base_commit": commit,
             "patch": patch,
-            "test_patch": "",
+            "test_patch": test_patch,
             "problem_statement": problem_statement(project.name, failures, fix_lines),
             "FAIL_TO_PASS": broken,
-            "PASS_TO_PASS": [
-                t for t in self.reliable if t.split("::", 1)[0] in files and t not in broken_set
-            ],
+            "PASS_TO_PASS": [t for t in self.reliable if scope(t) and t not in broken_set],
+            "known_failures": [t for t in self.failing if scope(t)],
+            "held_back": held,
             "project": project.requirement,
             "environment": str(self.env.resolve()),
             "python_path": [envs.import_root(project)],
-            "test_command": [*self.command[:-1], *files],
+            "test_command": command,
             "tests_dir": project.tests,
             "mutation": {
                 "path": mutation.path,
@@ -266,6 +292,29 @@ class _Job:
                 "description": mutation.description,
             },
         }
+
+    def _held_back(
+        self, candidate: Candidate, broken: list[str]
+    ) -> tuple[list[str], dict[str, str], str]:
+        """(the test functions held back, the visible test files they were cut from, the
+        test_patch that restores them)."""
+        wanted = choose(broken, candidate.key) if self.settings.hold_back else []
+        by_file: dict[str, list[str]] = {}
+        for function in wanted:
+            by_file.setdefault(function.split("::", 1)[0], []).append(function)
+        held: list[str] = []
+        visible: dict[str, str] = {}
+        patches = []
+        for path, functions in sorted(by_file.items()):
+            full = (self.pristine / path).read_bytes().decode("utf-8")
+            text, done = cut(full, functions)
+            if done:
+                held += done
+                visible[path] = text
+                patches.append(unified_patch(path, text, full))
+        if len({function_of(t) for t in broken} - set(held)) == 0:
+            return [], {}, ""  # never all of them: the harness must see the bug fail
+        return sorted(held), visible, "".join(patches)
 
 
 def _project(
@@ -288,8 +337,9 @@ def _project(
         with clock("environment"):
             env = envs.environment(project, out / "envs")
     with clock("baseline"):
-        reliable, flaky, seconds = _baseline(project, pristine, env, settings, work / name)
-    report.reliable, report.flaky, report.baseline_seconds = len(reliable), len(flaky), seconds
+        baseline = _baseline(project, pristine, env, settings, work / name)
+    report.reliable, report.flaky = len(baseline.reliable), len(baseline.flaky)
+    report.baseline_seconds = baseline.seconds
     with clock("candidates"):
         candidates, report.mutations = _candidates(project, pristine, settings)
     report.candidates = len(candidates)
@@ -305,9 +355,11 @@ def _project(
         out,
         settings,
         report,
-        reliable,
+        baseline.reliable,
+        sorted({*baseline.failing, *baseline.flaky}),
         envs.pytest_command(project, env),
-        settings.timeout_factor * seconds + 30.0,
+        baseline.seconds <= settings.full_suite_s,
+        settings.timeout_factor * baseline.seconds + 30.0,
         kept_sets={tuple(r["FAIL_TO_PASS"]) for r in kept},
         kept=len(kept),
     )
@@ -378,15 +430,32 @@ def _count(report: ProjectReport, status: str) -> None:
         report.dropped[status] += 1
 
 
+BASELINE_RECIPE = 2
+"""In baseline.json: a baseline measured by an older recipe (unguarded runs, no failing
+tests recorded) is measured again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Baseline:
+    reliable: list[str]
+    """PASSED in every run."""
+    flaky: list[str]
+    """PASSED in some runs only."""
+    failing: list[str]
+    """FAILED or ERROR in some run."""
+    seconds: float
+    """Median run time."""
+
+
 def _baseline(
     project: Project, pristine: Path, env: Path, settings: SynthSettings, scratch: Path
-) -> tuple[list[str], list[str], float]:
-    """(reliable tests, flaky tests, median run seconds), cached in scratch/baseline.json."""
+) -> Baseline:
+    """The suite's baseline on the pristine tree, cached in scratch/baseline.json."""
     cache = scratch / "baseline.json"
     if cache.is_file():
         data = orjson.loads(cache.read_bytes())
-        if data.get("runs") == settings.runs:
-            return data["reliable"], data["flaky"], data["seconds"]
+        if data.get("runs") == settings.runs and data.get("recipe") == BASELINE_RECIPE:
+            return Baseline(data["reliable"], data["flaky"], data["failing"], data["seconds"])
     scratch.mkdir(parents=True, exist_ok=True)
     copy = scratch / "baseline-copy"
     if copy.exists():
@@ -395,25 +464,39 @@ def _baseline(
     try:
         command = envs.pytest_command(project, env)
         runs = [
-            envs.run_command(command, copy, 1800.0, what=project.requirement)
+            envs.run_command(command, copy, 1800.0, project.requirement, [project.tests])
             for _ in range(max(1, settings.runs))
         ]
     finally:
         shutil.rmtree(copy, ignore_errors=True)
     if any(run.timed_out for run in runs):
         raise envs.EnvError(f"{project.requirement}: the baseline run timed out")
+    problems = sorted({p for run in runs for p in run.problems})
+    if problems:
+        raise envs.EnvError(f"{project.requirement}: the guarded baseline run: {problems}")
     passed = [run.passed for run in runs]
     reliable = sorted(set.intersection(*passed))
-    flaky = sorted(set.union(*passed) - set(reliable))
     if not reliable:
         raise envs.EnvError(f"{project.requirement}: no test passes at baseline")
-    seconds = statistics.median(run.seconds for run in runs)
+    baseline = Baseline(
+        reliable,
+        sorted(set.union(*passed) - set(reliable)),
+        sorted({t for run in runs for t, o in run.outcomes.items() if o in ("FAILED", "ERROR")}),
+        statistics.median(run.seconds for run in runs),
+    )
     cache.write_bytes(
         orjson.dumps(
-            {"runs": settings.runs, "reliable": reliable, "flaky": flaky, "seconds": seconds}
+            {
+                "runs": settings.runs,
+                "recipe": BASELINE_RECIPE,
+                "reliable": baseline.reliable,
+                "flaky": baseline.flaky,
+                "failing": baseline.failing,
+                "seconds": baseline.seconds,
+            }
         )
     )
-    return reliable, flaky, seconds
+    return baseline
 
 
 def code_files(project: Project, repo: Path) -> list[str]:

@@ -135,7 +135,8 @@ def to_harnessrl(task: SweTask, split: str, group_size: int | None = None) -> di
     """The task as a line of a harnessrl task file (`harnessrl submit`): the input the
     harness gets (the problem statement, where to clone the repository, its environment and
     how to run its tests) and the metadata builtin:tests scores with (never shown to the
-    harness: the tests that count, the paths the patch must leave alone)."""
+    harness: the tests that count, those held back, those allowed to fail, the paths the
+    patch must leave alone)."""
     command = task.extra.get("test_command")
     environment = task.extra.get("environment")
     protected = sorted(
@@ -154,6 +155,11 @@ def to_harnessrl(task: SweTask, split: str, group_size: int | None = None) -> di
     }
     if task.test_patch.strip():
         metadata["test_patch"] = task.test_patch
+    known = _strings(task.extra.get("known_failures"))
+    if known is not None:  # the regression rule: no other test may fail
+        metadata["known_failures"] = known
+    if isinstance(environment, str):
+        metadata["environment"] = environment
     line: dict[str, Any] = {
         "task_id": task.instance_id,
         "split": split,

@@ -1,35 +1,46 @@
-"""`swe clean --validate`: each task checked in its own environment, as the reward will run it.
+"""`swe clean --validate`: each task checked as builtin:tests will score it, jailed and guarded.
 
-A task is valid when, in a fresh clone of its repository at its base commit (with its
-`test_patch` applied, when it has one), in each of `runs` rounds:
+A task is valid when, in each of `runs` rounds, in a fresh copy of its repository at its base
+commit (its `test_patch`, the held-back tests included, applied), with its test command run
+in the reward's jail under the test guard (`TestsReward.run`, the very code that scores):
 
-- before the gold patch: no FAIL_TO_PASS test passes, every PASS_TO_PASS test passes;
-- after it (it must apply): every FAIL_TO_PASS and PASS_TO_PASS test passes.
+- before the gold patch: the run adds up (the guard loaded, nothing forged or tampered
+  with), no FAIL_TO_PASS test passes, every PASS_TO_PASS test passes;
+- after it (it must apply): the gold patch scores 1 with no flag, as the reward grades it:
+  every FAIL_TO_PASS and PASS_TO_PASS test passes, and no other test fails beyond the task's
+  `known_failures`.
 
-"Passes" means pytest reported PASSED: a skipped, xfailed or missing test does not. Repeating
-the rounds drops the flaky tasks. The environment is the record's `extra.environment` (a venv)
-and the command `extra.test_command` (an argv with `{junit_xml}`, run in the clone's root), as
-`swe synth` writes them; an imported task gets them from `clean --environment/--test-command`.
-A task without them cannot be validated: it is dropped as `validation:no_environment`.
+"Passes" means pytest reported it passed: a skipped, xfailed or missing test does not.
+Repeating the rounds drops the flaky tasks. The environment and the command are the
+record's `extra.environment` and `extra.test_command`, as `swe synth` writes them; an
+imported task gets them from `clean --environment/--test-command`. A task without them
+cannot be validated: it is dropped as `validation:no_environment`.
 
-Drop reasons: validation:no_environment, validation:clone_failed,
-validation:test_patch_failed, validation:patch_failed, validation:timeout,
-validation:fail_to_pass_passes_before, validation:pass_to_pass_fails_before,
-validation:fail_to_pass_fails_after, validation:pass_to_pass_fails_after.
+Drop reasons: validation:no_environment, validation:clone_failed, validation:test_patch_failed,
+validation:patch_failed, validation:timeout, validation:unguarded (the run does not add up
+before the gold patch: the task cannot be scored), validation:fail_to_pass_passes_before,
+validation:pass_to_pass_fails_before, validation:fail_to_pass_fails_after,
+validation:pass_to_pass_fails_after, validation:regression_after,
+validation:gold_not_scored (after the gold patch the run does not add up).
 """
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from harnessrl.swe.env import EnvError, TestRun, run_command
-from harnessrl.swe.tasks import SweTask
+from harnessrl.services.reward.coding_task import CodingTask
+from harnessrl.services.reward.config import TestsSettings
+from harnessrl.services.reward.episode import Episode
+from harnessrl.services.reward.evidence import all_outcomes, inconsistencies
+from harnessrl.services.reward.patch_tests import TestsReward
+from harnessrl.services.reward.test_names import NameIndex, status_of
+from harnessrl.swe.env import EnvError, blocking
+from harnessrl.swe.tasks import SweTask, to_harnessrl
+from harnessrl.v1 import events_pb2 as pb
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,45 +63,93 @@ def command_of(task: SweTask) -> list[str] | None:
 
 def validate(task: SweTask, settings: ValidateSettings, scratch: Path | None = None) -> str | None:
     """None when the task is valid, else the drop reason (see the module docstring)."""
-    command = command_of(task)
-    if command is None:
+    if command_of(task) is None:
         return "validation:no_environment"
-    work = Path(tempfile.mkdtemp(prefix="swe-validate-", dir=scratch))
-    try:
-        for round_ in range(max(1, settings.runs)):
-            reason = _round(task, command, settings.timeout_s, work / f"round-{round_}")
-            if reason is not None:
-                return reason
-        return None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    return blocking(lambda: _validate(task, settings, scratch))
 
 
-def _round(task: SweTask, command: list[str], timeout_s: float, work: Path) -> str | None:
-    """One round in a fresh clone: before and after the gold patch."""
-    work.mkdir(parents=True)
-    copy = work / "repo"
-    if not _clone(task, copy):
-        return "validation:clone_failed"
-    if task.test_patch.strip() and not _apply(copy, task.test_patch, work / "test.diff"):
-        return "validation:test_patch_failed"
-    before = _run(command, copy, timeout_s)
-    if before is None:
-        return "validation:timeout"
-    if any(before.outcomes.get(t) == "PASSED" for t in task.fail_to_pass):
-        return "validation:fail_to_pass_passes_before"
-    if any(before.outcomes.get(t) != "PASSED" for t in task.pass_to_pass):
-        return "validation:pass_to_pass_fails_before"
-    if not _apply(copy, task.patch, work / "gold.diff"):
-        return "validation:patch_failed"
-    after = _run(command, copy, timeout_s)
-    if after is None:
-        return "validation:timeout"
-    if any(after.outcomes.get(t) != "PASSED" for t in task.fail_to_pass):
-        return "validation:fail_to_pass_fails_after"
-    if any(after.outcomes.get(t) != "PASSED" for t in task.pass_to_pass):
-        return "validation:pass_to_pass_fails_after"
+async def _validate(task: SweTask, settings: ValidateSettings, scratch: Path | None) -> str | None:
+    tests = TestsSettings(timeout_s=settings.timeout_s, scratch_dir=scratch)
+    metadata = to_harnessrl(task, "train")["metadata"] | {"scoring": "all_pass"}
+    coding = CodingTask.from_metadata(metadata, tests)
+    reward = TestsReward(tests)
+    for _ in range(max(1, settings.runs)):
+        reason = await _round(reward, coding, metadata, task)
+        if reason is not None:
+            return reason
     return None
+
+
+async def _round(
+    reward: TestsReward, coding: CodingTask, metadata: Mapping[str, Any], task: SweTask
+) -> str | None:
+    """One round, each half in a fresh copy: before and after the gold patch."""
+    try:
+        async with reward.copy(coding) as copy:
+            outcome, evidence = await reward.run(coding, copy)
+    except ValueError as err:
+        if "test_patch" in str(err):
+            return "validation:test_patch_failed"
+        if "metadata.repo" in str(err) or "metadata.base_commit" in str(err):
+            return "validation:clone_failed"
+        raise
+    if outcome.timed_out:
+        return "validation:timeout"
+    if evidence is None or inconsistencies(evidence, outcome.exit_code) or not evidence.ended:
+        return "validation:unguarded"
+    outcomes = all_outcomes(evidence)
+    index = NameIndex(outcomes)
+
+    def status(name: str) -> str | None:
+        return status_of(name, outcomes, evidence.collect_problems, index)
+
+    if any(status(t) == "passed" for t in task.fail_to_pass):
+        return "validation:fail_to_pass_passes_before"
+    if any(status(t) != "passed" for t in task.pass_to_pass):
+        return "validation:pass_to_pass_fails_before"
+    gold = await reward(_episode(metadata, task.patch))
+    if gold.value == 1.0 and not gold.flags:
+        return None
+    return _after(gold.flags, gold.message, task)
+
+
+def _after(flags: tuple[str, ...], message: str, task: SweTask) -> str:
+    """Why the gold patch did not score 1."""
+    if "patch_failed" in flags:
+        return "validation:patch_failed"
+    if "timeout" in flags:
+        return "validation:timeout"
+    if "tests_regressed" in flags:
+        return "validation:regression_after"
+    if flags and set(flags) - {"tests_skipped", "tests_xfailed", "tests_xpassed", "tests_missing"}:
+        return "validation:gold_not_scored"
+    failing = message.split("\n", 1)[0]
+    if any(t in failing for t in task.fail_to_pass):
+        return "validation:fail_to_pass_fails_after"
+    return "validation:pass_to_pass_fails_after"
+
+
+def _episode(metadata: Mapping[str, Any], patch: str) -> Episode:
+    return Episode(
+        episode_id="validate",
+        attempt=0,
+        group_id="validate",
+        task_id="validate",
+        mode="val",
+        status="succeeded",
+        reason="",
+        exit_code=0,
+        task_input=None,
+        task_metadata=metadata,
+        result={"patch": patch},
+        result_json="",
+        artifacts_dir=None,
+        artifacts_uri="",
+        started_at=0.0,
+        finished_at=0.0,
+        policy_version=0,
+        event=pb.EpisodeFinished(),
+    )
 
 
 def validate_all(
@@ -112,33 +171,3 @@ def validate_all(
 
     with ThreadPoolExecutor(max(1, settings.jobs), thread_name_prefix="swe-validate") as pool:
         return list(pool.map(one, items))
-
-
-def _run(command: list[str], copy: Path, timeout_s: float) -> TestRun | None:
-    run = run_command(command, copy, timeout_s)
-    return None if run.timed_out else run
-
-
-def _clone(task: SweTask, into: Path) -> bool:
-    done = subprocess.run(
-        ["git", "clone", "-q", "--no-checkout", "--", task.repo, str(into)],
-        capture_output=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        return False
-    return _git(into, "checkout", "-q", task.base_commit, "--").returncode == 0
-
-
-def _apply(copy: Path, patch: str, path: Path) -> bool:
-    path.write_bytes((patch if patch.endswith("\n") else patch + "\n").encode())
-    return _git(copy, "apply", "--whitespace=nowarn", str(path)).returncode == 0
-
-
-def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(
-        ["git", "-c", "advice.detachedHead=false", *args],
-        cwd=repo,
-        capture_output=True,
-        check=False,
-    )
