@@ -16,7 +16,7 @@ from harnessrl.broker import EmbeddedBroker
 from harnessrl.bus import ensure_topics
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
 from tests.helpers import FAST_GROUP
-from tests.six import SixReady, prepare_six
+from tests.six import SixReady, prepare_project, prepare_six
 
 
 @pytest_asyncio.fixture
@@ -52,3 +52,9 @@ def consumer_settings() -> ConsumerSettings:
 def six_ready(tmp_path_factory: pytest.TempPathFactory) -> SixReady:
     """The pinned six, fetched and with its environment, once per session (needs PyPI)."""
     return prepare_six(tmp_path_factory.mktemp("six"))
+
+
+@pytest.fixture(scope="session")
+def tabulate_ready(tmp_path_factory: pytest.TempPathFactory) -> SixReady:
+    """The pinned tabulate, fetched and with its environment, once per session (PyPI)."""
+    return prepare_project("tabulate", tmp_path_factory.mktemp("tabulate"))

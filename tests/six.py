@@ -1,6 +1,7 @@
-"""The pinned six, fetched and with its environment, shared by the integration tests of
-harnessrl.swe and builtin:tests (the `six_ready` session fixture): built once, at the paths
-`harnessrl swe synth --out root` uses, so a synth run there reuses them."""
+"""The pinned six (and tabulate), fetched and with its environment, shared by the integration
+tests of harnessrl.swe and builtin:tests (the `six_ready` and `tabulate_ready` session
+fixtures): built once, at the paths `harnessrl swe synth --out root` uses, so a synth run
+there reuses them."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ class SixReady:
 
 
 def prepare_six(root: Path) -> SixReady:
-    (six,) = pinned(["six"])
-    repo = checkout(six, root / "work" / "checkouts", root / "work" / "sdists")
-    return SixReady(six, repo, environment(six, root / "envs"), root)
+    return prepare_project("six", root)
+
+
+def prepare_project(name: str, root: Path) -> SixReady:
+    """A pinned project fetched (its sdist from the package index) and its environment
+    built, at the paths `harnessrl swe synth --out root` uses."""
+    (project,) = pinned([name])
+    repo = checkout(project, root / "work" / "checkouts", root / "work" / "sdists")
+    return SixReady(project, repo, environment(project, root / "envs"), root)

@@ -5,9 +5,9 @@ Python environment as the top-level module `harnessrl_testguard`, and the run lo
 `-p harnessrl_testguard` in PYTEST_ADDOPTS: before the repository's conftests, before any
 test module, so before any code of the patch can run. It then:
 
-- takes its key (32 bytes) from a pipe it closes at once, and its channel (a pipe to the
-  reward) from an inherited descriptor it makes non-inheritable; the key exists nowhere but
-  in this module's memory afterwards (not in the environment, not in /proc);
+- takes its key (32 bytes) from a pipe it closes at once (keeping only an HMAC state made
+  from it: the key is in no environment variable, no file, no attribute), and moves its
+  channel (a pipe to the reward) to a random descriptor that child processes do not get;
 - snapshots the runner: every function and class of pytest, _pytest, pluggy and unittest
   (identity, code object, class attributes);
 - reports, as frames the reward authenticates (HMAC-SHA256 under the key, numbered from 0):
@@ -31,11 +31,14 @@ status and the collected set are what such code must then also get right.
 
 from __future__ import annotations
 
+import fcntl
 import fnmatch
 import hashlib
 import hmac
 import json
 import os
+import resource
+import secrets
 import struct
 import sys
 import types
@@ -62,16 +65,15 @@ def _take_env(name: str) -> str | None:
 
 
 class _Channel:
-    """Numbered frames, each `len(u32) | hmac(32) | payload`, on the reward's pipe."""
+    """Numbered frames, each `len(u32) | hmac(32) | payload`, on the reward's pipe. The key
+    itself is not kept: only an HMAC state holding it (copied for each frame)."""
 
     def __init__(self, fd: int, key: bytes) -> None:
         self._fd: int | None = fd
-        self._key = key
+        self._mac = hmac.new(key, digestmod=hashlib.sha256)
         self._n = 0
         self._write = os.write
         self._dumps = json.dumps
-        self._mac = hmac.new
-        self._sha = hashlib.sha256
         self._pack = struct.pack
 
     def send(self, record: dict[str, Any]) -> None:
@@ -80,8 +82,9 @@ class _Channel:
         record = dict(record, n=self._n)
         self._n += 1
         payload = self._dumps(record, sort_keys=True, default=str).encode("utf-8")
-        frame = self._pack(">I", len(payload)) + self._mac(self._key, payload, self._sha).digest()
-        data = memoryview(frame + payload)
+        mac = self._mac.copy()
+        mac.update(payload)
+        data = memoryview(self._pack(">I", len(payload)) + mac.digest() + payload)
         while data:
             written = self._write(self._fd, data)
             data = data[written:]
@@ -93,6 +96,9 @@ class _Channel:
 
 
 def _open_channel() -> _Channel | None:
+    """The reward's channel, or None where there is none (a nested pytest run: its parent's
+    descriptors are not inherited). The key is read from its pipe, which is then closed;
+    the channel moves to a random descriptor number, not inherited by child processes."""
     fd_text = _take_env("HARNESSRL_GUARD_FD")
     key_fd_text = _take_env("HARNESSRL_GUARD_KEY_FD")
     if fd_text is None or key_fd_text is None:
@@ -106,10 +112,13 @@ def _open_channel() -> _Channel | None:
                 break
             key += chunk
         os.close(key_fd)
-        os.set_inheritable(fd, False)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        top = max(64, min(soft, 4096) - 1)
+        moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, secrets.randbelow(top - 32) + 32)
+        os.close(fd)
     except (OSError, ValueError):
-        return None  # a nested pytest run (its parent's descriptors are not inherited)
-    return _Channel(fd, key) if len(key) == 32 else None
+        return None
+    return _Channel(moved, key) if len(key) == 32 else None
 
 
 def _function_of(value: Any) -> Any:

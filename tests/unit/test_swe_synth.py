@@ -22,7 +22,7 @@ from harnessrl.swe.synth import (
     task_repository,
     unified_patch,
 )
-from harnessrl.swe.tasks import SweTask, parse_task, to_harnessrl
+from harnessrl.swe.tasks import SweTask, parse_task, patch_paths, to_harnessrl
 from harnessrl.swe.validate import ValidateSettings, validate
 from harnessrl.tasks import TaskLine
 from tests.repo_helpers import coding_episode, git, make_repo
@@ -154,7 +154,8 @@ async def test_a_synthesized_task_scores_1_with_its_gold_patch(
     TaskLine.model_validate(line)  # a valid harnessrl task file line
     assert line["input"]["problem_statement"] == task.problem_statement
     assert "patch" not in line["input"] and "tests" not in line["input"]
-    assert line["metadata"]["protected_paths"] == ["tests"]
+    # the tests, and the files the held-back tests (if any) come back to
+    assert set(line["metadata"]["protected_paths"]) == {"tests", *patch_paths(task.test_patch)}
     from harnessrl.services.reward.config import TestsSettings
     from harnessrl.services.reward.patch_tests import TestsReward
 

@@ -252,8 +252,11 @@ class _Job:
         original = (self.pristine / mutation.path).read_bytes().decode("utf-8")
         patch = unified_patch(mutation.path, mutation.source, original)
         held, visible, test_patch = self._held_back(candidate, broken)
-        repo = self.out / "repos" / f"{instance_id}.git"
-        commit = task_repository(self.pristine, {mutation.path: mutation.source, **visible}, repo)
+        changes = {mutation.path: mutation.source, **visible}
+        # Named by its content too: the same bug with other tests held back is another tree.
+        tree = hashlib.sha256(orjson.dumps(changes, option=orjson.OPT_SORT_KEYS)).hexdigest()
+        repo = self.out / "repos" / f"{instance_id}.{tree[:8]}.git"
+        commit = task_repository(self.pristine, changes, repo)
         fix_lines = [
             line[1:]
             for line in patch.splitlines()
@@ -348,7 +351,31 @@ def _project(
     # rerun checks it again, the other verdicts stand.
     done = {k: r for k, r in _read_results(results_path).items() if r["status"] != "timeout"}
     kept = [r for r in done.values() if r["status"] == "kept"]
-    job = _Job(
+    job = _job(project, pristine, env, out, settings=settings, report=report, baseline=baseline)
+    job.kept_sets = {tuple(r["FAIL_TO_PASS"]) for r in kept}
+    job.kept = len(kept)
+    for result in done.values():
+        report.checked += 1
+        _count(report, result["status"])
+    todo = [c for c in candidates if c.key not in done]
+    with clock("check"):
+        _check_all(job, todo, work / name, results_path, on_progress)
+    report.kept = job.kept
+    if job.kept:
+        deploy.write(project, out, env, _harness_dir())
+
+
+def _job(
+    project: Project,
+    pristine: Path,
+    env: Path,
+    out: Path,
+    *,
+    settings: SynthSettings,
+    report: ProjectReport,
+    baseline: Baseline,
+) -> _Job:
+    return _Job(
         project,
         pristine,
         env,
@@ -360,18 +387,47 @@ def _project(
         envs.pytest_command(project, env),
         baseline.seconds <= settings.full_suite_s,
         settings.timeout_factor * baseline.seconds + 30.0,
-        kept_sets={tuple(r["FAIL_TO_PASS"]) for r in kept},
-        kept=len(kept),
+        kept_sets=set(),
+        kept=0,
     )
-    for result in done.values():
-        report.checked += 1
-        _count(report, result["status"])
-    todo = [c for c in candidates if c.key not in done]
-    with clock("check"):
-        _check_all(job, todo, work / name, results_path, on_progress)
-    report.kept = job.kept
-    if job.kept:
-        deploy.write(project, out, env, _harness_dir())
+
+
+def synthesize_one(
+    project: Project,
+    pristine: Path,
+    env: Path,
+    out: Path,
+    *,
+    mutation: Mutation,
+    settings: SynthSettings | None = None,
+) -> dict[str, Any]:
+    """One chosen bug through the stages `synthesize` takes a candidate through (baseline,
+    check, task), in `out`: {"status": "kept", "record": ...} or why it was not kept."""
+    settings = settings or SynthSettings()
+    report = ProjectReport(project.requirement)
+    name = f"{project.name}-{project.version}"
+    baseline = _baseline(project, pristine, env, settings, out / "work" / name)
+    job = _job(
+        project,
+        pristine.resolve(),
+        env,
+        out.resolve(),
+        settings=settings,
+        report=report,
+        baseline=baseline,
+    )
+    key = hashlib.sha256(
+        f"{project.requirement}\0chosen\0{mutation.path}\0{mutation.line}\0"
+        f"{mutation.description}".encode()
+    ).hexdigest()[:16]
+    copy = out / "work" / name / f"chosen-{key}"
+    if copy.exists():
+        shutil.rmtree(copy)
+    _export(pristine, copy)
+    try:
+        return job.check(Candidate(key, mutation), copy)
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
 
 
 def _harness_dir() -> Path | None:
@@ -615,9 +671,9 @@ def task_repository(pristine: Path, changes: dict[str, str], repo: Path) -> str:
     same id: fixed author and date). Only the objects of that tree are in it."""
     if repo.exists():
         head = git(repo, "rev-parse", "--verify", "-q", "HEAD")
-        if head.returncode == 0:
+        if head.returncode == 0 and _holds_changes(repo, pristine, changes):
             return head.stdout.strip()
-        shutil.rmtree(repo)
+        shutil.rmtree(repo)  # unfinished, or made with other changes (another hold-back)
     repo.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=repo.parent))
     building = Path(tempfile.mkdtemp(prefix=".building-", dir=repo.parent))
@@ -643,6 +699,36 @@ def task_repository(pristine: Path, changes: dict[str, str], repo: Path) -> str:
         shutil.rmtree(building, ignore_errors=True)
     head = git(repo, "rev-parse", "HEAD")
     return head.stdout.strip()
+
+
+def _holds_changes(repo: Path, pristine: Path, changes: dict[str, str]) -> bool:
+    """Whether the repository's HEAD is `pristine`'s HEAD tree with exactly `changes`."""
+    ours, theirs = _tree(repo), _tree(pristine)
+    for path in ours.keys() | theirs.keys() | changes.keys():
+        if path not in changes:
+            if ours.get(path) != theirs.get(path):
+                return False
+            continue
+        held = subprocess.run(
+            ["git", "-C", str(repo), "cat-file", "blob", f"HEAD:{path}"],
+            capture_output=True,
+            check=False,
+        )
+        if held.returncode != 0 or held.stdout != changes[path].encode("utf-8"):
+            return False
+    return True
+
+
+def _tree(repo: Path) -> dict[str, str]:
+    """Path -> "mode blob" of every file of the repository's HEAD."""
+    listed = git(repo, "ls-tree", "-r", "-z", "HEAD")
+    files = {}
+    for entry in listed.stdout.split("\0"):
+        if entry:
+            meta, _, path = entry.partition("\t")
+            mode, _, blob = meta.split(" ")
+            files[path] = f"{mode} {blob}"
+    return files
 
 
 def _export(repo: Path, into: Path) -> None:
