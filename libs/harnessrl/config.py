@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -178,6 +179,29 @@ def real_secret(value: SecretStr | None) -> SecretStr | None:
             "(e.g. `openssl rand -hex 32`)"
         )
     return value
+
+
+def secrets_from_files(data: Any, names: Sequence[str]) -> Any:
+    """Settings input (a mapping) with each `<name>_file` (the path of a file holding the
+    secret: a Docker Compose or Kubernetes secret mounted as a file) read into `<name>`, its
+    last newline dropped. Secrets in files stay out of the process's environment, which
+    any process of the same user may read (/proc/PID/environ). Raises ValueError naming the
+    field when both are given or the file cannot be read."""
+    if not isinstance(data, Mapping):
+        return data
+    out = dict(data)
+    for name in names:
+        path = out.get(f"{name}_file")
+        if path is None:
+            continue
+        if out.get(name) is not None:
+            raise ValueError(f"{name} and {name}_file: set one of them, not both")
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as err:
+            raise ValueError(f"{name}_file: cannot read {path}: {err.strerror}") from None
+        out[name] = text[:-1] if text.endswith("\n") else text
+    return out
 
 
 class ServiceSection(Section):

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from harnessrl.config import GiB, MiB, Section, ServiceConfig, ServiceSection, real_secret
+from harnessrl.config import (
+    GiB,
+    MiB,
+    Section,
+    ServiceConfig,
+    ServiceSection,
+    real_secret,
+    secrets_from_files,
+)
 
 MAX_GROUP_SIZE = 1024
 """Largest group a task may ask for (TaskSubmitted.group_size): a group's episodes are all
@@ -182,6 +190,11 @@ class ControllerSection(ServiceSection):
     """HMAC secret for episode tokens (the gateway's token_secret); required."""
     admin_token: SecretStr | None = None
     """The gateway's admin token (to close episodes); required."""
+    token_secret_file: Path | None = None
+    """A file holding token_secret (a Compose or Kubernetes secret), instead of the value:
+    a secret in a file stays out of the process environment, which /proc shows."""
+    admin_token_file: Path | None = None
+    """A file holding admin_token, instead of the value."""
     token_margin_s: float = Field(default=300.0, ge=0)
     """How long a token outlives its run's timeout."""
     group_size: int = Field(default=4, ge=1, le=MAX_GROUP_SIZE)
@@ -220,6 +233,11 @@ class ControllerSection(ServiceSection):
     """Local runner: the containment of each harness run (default off)."""
 
     _secrets = field_validator("token_secret", "admin_token")(real_secret)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secret_files(cls, data: Any) -> Any:
+        return secrets_from_files(data, ("token_secret", "admin_token"))
 
     @field_validator("inherit_env")
     @classmethod
@@ -262,15 +280,6 @@ class ControllerSection(ServiceSection):
             raise ValueError(
                 f"gateways: give the replicas or {' and '.join(sorted(both))} (one unnamed "
                 "gateway), not both"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _one_gateway_in_a_sandbox(self) -> ControllerSection:
-        if self.sandbox.mode != "off" and len(self.gateways) > 1:
-            raise ValueError(
-                "sandbox: relays one gateway into a run's network namespace; with several "
-                "gateways set sandbox.mode: off (or run harnesses as Kubernetes Jobs)"
             )
         return self
 

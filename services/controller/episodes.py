@@ -159,6 +159,7 @@ class EpisodeRunner:
             timeout_s=job.harness.timeout_s,
             labels={"episode": job.episode_id, "attempt": str(attempt), "group": job.task.group_id},
             preload=tuple(job.harness.preload),
+            gateway_url=self.gateways.owner(job.episode_id).url,
         )
         try:
             run = await self.runner.launch(spec)

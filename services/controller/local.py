@@ -96,7 +96,9 @@ class LocalRun:
         env = {**inherited, **spec.env, "HARNESSRL_OUTPUT": str(self.workdir / "result.json")}
         sandbox = self._runner.sandbox
         if sandbox is not None:  # never forked: the fork server runs unsandboxed
-            self._process = await sandbox.spawn(spec.command, self.workdir, env)
+            self._process = await sandbox.spawn(
+                spec.command, self.workdir, env, gateway_url=spec.gateway_url
+            )
         forkserver = await self._runner.forkserver(spec) if sandbox is None else None
         if forkserver is not None:
             try:
@@ -291,8 +293,25 @@ class LocalRunner:
         self._forkserver_lock = asyncio.Lock()
 
     async def start(self) -> None:
+        """Make the directories; with a sandbox, check that one can be made here: mode
+        bwrap raises LaunchError when it cannot (the controller does not start), mode auto
+        goes on unsandboxed, with a warning."""
         self.records.mkdir(parents=True, exist_ok=True)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.sandbox is None:
+            return
+        try:
+            await self.sandbox.probe()
+        except LaunchError as err:
+            if self.sandbox.settings.mode == "bwrap":
+                raise
+            log.warning(
+                "controller.sandbox.mode is auto and no sandbox can be made here: local "
+                "harness runs are NOT sandboxed",
+                reason=str(err),
+            )
+            await self.sandbox.stop()
+            self.sandbox = None
 
     async def stop(self) -> None:
         """Runs in progress keep running; a restarted controller recovers them."""

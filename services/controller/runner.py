@@ -41,6 +41,9 @@ class LaunchSpec:
     """Labels identifying the run (episode, attempt, group), for runners that keep them."""
     preload: tuple[str, ...] = ()
     """Local runner: modules its fork server imports (HarnessSpec.preload)."""
+    gateway_url: str = ""
+    """The gateway replica the episode belongs to, as harnesses reach it (a sandboxed local
+    run is relayed to it); "" for the runner's default."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import os
 import shutil
@@ -67,6 +68,7 @@ from pathlib import Path
 
 import orjson
 
+from harnessrl.bubblewrap import system_mounts
 from harnessrl.logs import get_logger
 from harnessrl.services.controller.config import SandboxSettings
 from harnessrl.services.controller.runner import LaunchError
@@ -151,12 +153,52 @@ class Sandbox:
     ) -> None:
         self.settings = settings
         self.gateway_url = gateway_url
-        self.gateway = GatewayAddress.parse(gateway_url)
+        """The gateway a run is relayed to when its spawn names none."""
         self.privileged = os.geteuid() == 0
         self._hidden = [workdir.resolve(), state_dir.resolve()]
         self._dir: Path | None = None
         self._uids: set[int] = set()
         self._sockets = itertools.count()
+
+    async def probe(self) -> None:
+        """Make one empty sandbox, as runs get theirs (namespaces, /proc, the user namespace
+        of an unprivileged controller); raises LaunchError naming the setting when this
+        machine (or container) cannot: checked when the runner starts, so a controller that
+        cannot contain its harnesses says so at once instead of failing every run."""
+        bwrap = shutil.which(self.settings.bwrap)
+        if bwrap is None:
+            raise LaunchError(
+                f"controller.sandbox.bwrap: {self.settings.bwrap!r} not found (install "
+                "bubblewrap, or set controller.sandbox.mode: off to run harnesses uncontained)"
+            )
+        argv = [bwrap, "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
+        argv += ["--unshare-net", "--unshare-cgroup-try"]
+        if not self.privileged:
+            argv += ["--unshare-user", "--disable-userns"]
+        for mount in system_mounts():
+            argv += mount.args()
+        argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--", "true"]
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            _, stderr = await asyncio.wait_for(process.communicate(), self.settings.setup_timeout_s)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+            stderr = b"no answer within controller.sandbox.setup_timeout_s"
+        if process.returncode != 0:
+            why = stderr.decode("utf-8", "replace").strip() or f"exit code {process.returncode}"
+            raise LaunchError(
+                f"controller.sandbox.mode: {self.settings.mode}, but bwrap cannot make a "
+                f"sandbox here ({why}). In a container, give the controller what "
+                "deploy/README.md lists; or set controller.sandbox.mode: off to run harnesses "
+                "uncontained: they then run as the controller's user, see its files and "
+                "environment (its secrets), and reach every network it reaches (the broker)"
+            )
 
     async def stop(self) -> None:
         """Remove the private directory (runs in progress keep their relays). Idempotent."""
@@ -165,11 +207,18 @@ class Sandbox:
             self._dir = None
 
     async def spawn(
-        self, command: tuple[str, ...], run_dir: Path, env: dict[str, str]
+        self,
+        command: tuple[str, ...],
+        run_dir: Path,
+        env: dict[str, str],
+        gateway_url: str = "",
     ) -> SandboxedProcess:
-        """Start `command` sandboxed in `run_dir` with `env` (rewritten for the sandbox);
+        """Start `command` sandboxed in `run_dir` with `env` (rewritten for the sandbox),
+        relayed to `gateway_url` (its episode's gateway replica; default the sandbox's);
         raises LaunchError, naming the setting at fault where there is one, when the
         sandbox cannot be set up or the command cannot be executed in it."""
+        gateway_url = gateway_url or self.gateway_url
+        gateway = GatewayAddress.parse(gateway_url)
         bwrap = shutil.which(self.settings.bwrap)
         if bwrap is None:
             raise LaunchError(
@@ -183,8 +232,8 @@ class Sandbox:
         uid = self._take_uid() if self.privileged else None
         relay = GatewayRelay(
             private / f"{next(self._sockets)}.sock",
-            self.gateway.host,
-            self.gateway.port,
+            gateway.host,
+            gateway.port,
             max_connections=self.settings.max_gateway_connections,
             owner=uid,
         )
@@ -199,7 +248,14 @@ class Sandbox:
                 await asyncio.to_thread(_chown_tree, run_dir, uid)
             await relay.start()
             return await self._start(
-                bwrap, command, run_dir, env=env, relay=relay, uid=uid, cleanup=cleanup
+                bwrap,
+                command,
+                run_dir,
+                env=env,
+                relay=relay,
+                uid=uid,
+                cleanup=cleanup,
+                gateway_url=gateway_url,
             )
         except BaseException:
             await cleanup()
@@ -215,16 +271,20 @@ class Sandbox:
         relay: GatewayRelay,
         uid: int | None,
         cleanup: Callable[[], Awaitable[None]],
+        gateway_url: str,
     ) -> SandboxedProcess:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         info_r, info_w = os.pipe()
         fds = [theirs.fileno(), info_w]
-        argv = self._argv(bwrap, command, run_dir, env=env, relay=relay, uid=uid, fds=fds)
+        gateway = GatewayAddress.parse(gateway_url)
+        argv = self._argv(
+            bwrap, command, run_dir, env=env, relay=relay, uid=uid, fds=fds, gateway=gateway
+        )
         try:
             process = await asyncio.create_subprocess_exec(
                 *argv,
                 cwd="/",
-                env=sandbox_env(env, self.gateway_url),
+                env=sandbox_env(env, gateway_url),
                 pass_fds=fds,
                 start_new_session=True,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -275,9 +335,10 @@ class Sandbox:
         relay: GatewayRelay,
         uid: int | None,
         fds: list[int],
+        gateway: GatewayAddress,
     ) -> list[str]:
         private = self._private_dir()
-        support = {"/etc/hosts": private / "hosts", str(INIT): _INIT_SOURCE}
+        support = {"/etc/hosts": self._hosts(gateway), str(INIT): _INIT_SOURCE}
         support[str(GATEWAY_SOCKET)] = relay.path
         if uid is not None:
             support |= {"/etc/passwd": private / f"passwd-{uid}"}
@@ -304,7 +365,7 @@ class Sandbox:
             )
         config = {
             "control_fd": fds[0],
-            "port": self.gateway.port,
+            "port": gateway.port,
             "socket": str(GATEWAY_SOCKET),
             "max_connections": self.settings.max_gateway_connections,
             "uid": uid,
@@ -332,8 +393,15 @@ class Sandbox:
     def _private_dir(self) -> Path:
         if self._dir is None:
             self._dir = Path(tempfile.mkdtemp(prefix="harnessrl-sandbox-"))
-            (self._dir / "hosts").write_text(self.gateway.hosts_file())
         return self._dir
+
+    def _hosts(self, gateway: GatewayAddress) -> Path:
+        """The /etc/hosts of runs relayed to `gateway` (its name maps to the relay)."""
+        text = gateway.hosts_file()
+        path = self._private_dir() / f"hosts-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+        if not path.exists():
+            path.write_text(text)
+        return path
 
     def _take_uid(self) -> int:
         uid = next(u for u in itertools.count(self.settings.uid_base) if u not in self._uids)

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from harnessrl.config import MiB, Section, ServiceConfig, ServiceSection, real_secret
+from harnessrl.config import (
+    MiB,
+    Section,
+    ServiceConfig,
+    ServiceSection,
+    real_secret,
+    secrets_from_files,
+)
 
 
 class SamplingOverrides(Section):
@@ -55,6 +63,11 @@ class GatewaySection(ServiceSection):
     """Older secrets still accepted while a rotation completes."""
     admin_token: SecretStr | None = None
     """Bearer token of the admin API (close, pause, resume, drain); required."""
+    token_secret_file: Path | None = None
+    """A file holding token_secret (a Compose or Kubernetes secret), instead of the value:
+    a secret in a file stays out of the process environment, which /proc shows."""
+    admin_token_file: Path | None = None
+    """A file holding admin_token, instead of the value."""
     max_body_bytes: int = Field(default=8 * MiB, ge=1024)
     """Largest request body accepted (413 beyond)."""
     max_buffered_bytes: int = Field(default=256 * MiB, ge=1024)
@@ -127,6 +140,11 @@ class GatewaySection(ServiceSection):
     episodes of this replica (oldest dropped first; an episode's go when its token expires)."""
 
     _secrets = field_validator("token_secret", "admin_token")(real_secret)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secret_files(cls, data: Any) -> Any:
+        return secrets_from_files(data, ("token_secret", "admin_token"))
 
     @model_validator(mode="after")
     def _budget_holds_a_body(self) -> GatewaySection:

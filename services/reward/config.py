@@ -52,7 +52,7 @@ class TestsSettings(Section):
     read_only: list[Path] = []
     """Absolute paths a test run may read besides the system directories, the task's
     Python environment and the repository copy (a dataset the suite needs, say)."""
-    uid_base: int = Field(default=2_000_000_000, ge=1000, le=4_000_000_000)
+    uid_base: int = Field(default=2_050_000_000, ge=1000, le=4_000_000_000)
     """A reward running as root runs each test as the unprivileged uid uid_base + n (one
     per run in progress)."""
     max_processes: int = Field(default=1024, ge=16)

@@ -373,14 +373,28 @@ async def test_a_sandbox_that_cannot_be_set_up_fails_the_launch_naming_the_cause
     )
     failing.chmod(0o755)
     script = _script(tmp_path, "ok.py", "print('never runs')\n")
+    # A controller that cannot make a sandbox at all refuses to start, naming the cause.
+    for sandbox, expected in (
+        ({"bwrap": "no-such-bwrap"}, "controller.sandbox.bwrap"),
+        ({"bwrap": str(failing)}, "simulated failure"),
+    ):
+        runner = local_runner(_section(tmp_path, gateway.url, **sandbox))
+        with pytest.raises(LaunchError, match=re.escape(expected)) as refused:
+            await runner.start()
+        if "simulated" in expected:
+            assert "controller.sandbox.mode: off to run harnesses uncontained" in str(refused.value)
+        await runner.stop()
+    # mode auto goes on unsandboxed, with a warning
+    auto = local_runner(_section(tmp_path, gateway.url, mode="auto", bwrap=str(failing)))
+    await auto.start()
+    assert auto.sandbox is None
+    await auto.stop()
     cases = [
-        ({"bwrap": "no-such-bwrap"}, [sys.executable, str(script)], "controller.sandbox.bwrap"),
         (
             {"read_only": [str(tmp_path / "missing-venv")]},
             [sys.executable, str(script)],
             "controller.sandbox.read_only",
         ),
-        ({"bwrap": str(failing)}, [sys.executable, str(script)], "simulated failure"),
         ({}, ["no-such-harness-program"], "'no-such-harness-program': [Errno 2]"),
     ]
     for sandbox, command, expected in cases:

@@ -10,6 +10,7 @@ import importlib
 import json
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any, get_args
 from urllib.parse import urlsplit
@@ -142,13 +143,29 @@ def healthz_port(name: str, service: Obj) -> int:
     return int(match.group(1))
 
 
+def secret_files(data: Obj, service: Obj) -> dict[str, str]:
+    """The service's Compose secrets as files with the values .env holds (SECRETS): path in
+    the container -> path here."""
+    directory = Path(tempfile.mkdtemp(prefix="compose-secrets-"))
+    files = {}
+    for name in service.get("secrets", []):
+        source = data["secrets"][name]["environment"]
+        (directory / name).write_text(SECRETS[source] + "\n")
+        files[f"/run/secrets/{name}"] = str(directory / name)
+    return files
+
+
 def load_service(
     data: Obj, name: str, monkeypatch: pytest.MonkeyPatch, **extra_env: str
 ) -> ServiceConfig:
     """Load the service's config from its container environment alone (no file, nothing
-    of this process's HARNESSRL_* variables)."""
+    of this process's HARNESSRL_* variables), its Compose secrets mounted as files."""
     cls, _ = SERVICES[name]
-    env = {**environment(data["services"][name]), **extra_env}
+    files = secret_files(data, data["services"][name])
+    env = {
+        key: files.get(value, value)
+        for key, value in {**environment(data["services"][name]), **extra_env}.items()
+    }
     with monkeypatch.context() as patch:
         for key in list(os.environ):
             if key.startswith(PREFIX):
@@ -222,11 +239,24 @@ def test_validator_rejects_invalid_compose(break_it: Any) -> None:
         validate(data)
 
 
-def test_required_variables_are_the_two_secrets() -> None:
-    with pytest.raises(MissingVariable, match="HARNESSRL_TOKEN_SECRET"):
-        interpolate(raw(), {"HARNESSRL_ADMIN_TOKEN": "x"})
-    with pytest.raises(MissingVariable, match="HARNESSRL_ADMIN_TOKEN"):
-        interpolate(raw(), {"HARNESSRL_TOKEN_SECRET": "x"})
+def test_the_two_secrets_are_compose_secrets_never_environment_values() -> None:
+    """Both come from .env as Compose secrets: files under /run/secrets in the services
+    that list them; no service's environment holds either value."""
+    data = compose()
+    assert {n: d["environment"] for n, d in data["secrets"].items()} == {
+        "token_secret": "HARNESSRL_TOKEN_SECRET",
+        "admin_token": "HARNESSRL_ADMIN_TOKEN",
+    }
+    for name, service in data["services"].items():
+        values = " ".join(environment(service).values())
+        assert not any(secret in values for secret in SECRETS.values()), name
+    for name in ("gateway", "gateway-1", "controller"):
+        service = data["services"][name]
+        assert service["secrets"] == ["token_secret", "admin_token"], name
+        section = SERVICES[name][1].upper()
+        env = environment(service)
+        assert env[f"{PREFIX}{section}__TOKEN_SECRET_FILE"] == "/run/secrets/token_secret"
+        assert env[f"{PREFIX}{section}__ADMIN_TOKEN_FILE"] == "/run/secrets/admin_token"
     compose()  # with both, nothing else is required
 
 
@@ -418,7 +448,8 @@ def test_controller_runs_the_calculator_harness_locally(monkeypatch: pytest.Monk
     source, read_only = mounts(service)["/app/examples"]
     assert read_only and source == "./examples"
     assert (ROOT / "examples" / Path(script).relative_to("/app/examples")).is_file()
-    assert section.harness.preload == ["openai"]
+    assert section.harness.preload == []  # sandboxed runs never fork from a preloaded server
+    assert section.sandbox.mode == "bwrap"  # every harness contained
     # Its run records and working directories persist on a named volume.
     volumes = mounts(service)
     for path in (section.workdir, section.state_dir):
