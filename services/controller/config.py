@@ -90,6 +90,10 @@ class KubernetesSettings(Section):
     """Bytes of those lines kept; the result line must fit in them."""
     result_cap_bytes: int = Field(default=1 * MiB, ge=1)
     """Largest result JSON reported; a longer one is truncated (result_truncated)."""
+    allow_uncontained: bool = False
+    """Start even when the job template would not contain harness pods (not under the
+    harness NetworkPolicy's label, a service account token, the node's namespaces,
+    privileges, Kubernetes Secrets): by default the controller refuses, naming what."""
     delete_after_collect: bool = True
     """Delete a Job once its result is read; else keep it (for its TTL) labelled collected."""
 

@@ -39,6 +39,7 @@ from harnessrl.services.controller.kubernetes_job import (
     MANAGED_BY,
     MANAGED_BY_LABEL,
     JobTemplate,
+    TemplateError,
 )
 from harnessrl.services.controller.kubernetes_run import KubernetesRun
 from harnessrl.services.controller.runner import (
@@ -76,6 +77,13 @@ class KubernetesRunner:
             raise ValueError("give at most one of api_client, configuration, api_client_factory")
         self._settings = settings
         self._template = JobTemplate.load(settings.job_template, settings.namespace)
+        uncontained = self._template.uncontained()
+        if uncontained and not settings.allow_uncontained:
+            raise TemplateError(
+                f"job template {settings.job_template}: harness pods would not be contained: "
+                f"{'; '.join(uncontained)} (fix the template, or set "
+                "controller.kubernetes.allow_uncontained: true to run them so)"
+            )
         self._given = api_client
         self._configuration = configuration
         self._factory = api_client_factory

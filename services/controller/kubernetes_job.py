@@ -60,6 +60,10 @@ _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _MAX_NAME = 63
 
 
+HARNESS_LABEL = "app.kubernetes.io/component"
+"""The pod label (value "harness") the harness-egress NetworkPolicy selects."""
+
+
 class TemplateError(ValueError):
     """The Job template is unusable; the message names the file, the field and the reason."""
 
@@ -125,6 +129,47 @@ class JobTemplate:
         manifest = documents[0]
         _validate(manifest, namespace, lambda msg: TemplateError(f"job template {source}: {msg}"))
         return cls(manifest, source)
+
+    def uncontained(self) -> list[str]:
+        """How a harness pod made from this template would not be contained, in words ([]
+        when it is): the label that puts it under the harness-egress NetworkPolicy (the
+        gateway and DNS, nothing else), no service account token, none of the node's
+        namespaces, no privilege, no Kubernetes Secret in its environment or volumes."""
+        template = self.manifest["spec"]["template"]
+        labels = (template.get("metadata") or {}).get("labels") or {}
+        pod = template["spec"]
+        found = []
+        if labels.get(HARNESS_LABEL) != "harness":
+            found.append(
+                f"spec.template.metadata.labels[{HARNESS_LABEL!r}] is not 'harness' (the "
+                "NetworkPolicy that keeps harness pods to the gateway does not select it)"
+            )
+        if pod.get("automountServiceAccountToken") is not False:
+            found.append(
+                "spec.template.spec.automountServiceAccountToken is not false (the pod gets "
+                "a token for the Kubernetes API)"
+            )
+        for key in ("hostNetwork", "hostPID", "hostIPC"):
+            if pod.get(key):
+                found.append(f"spec.template.spec.{key} is true (the node's own namespace)")
+        for volume in pod.get("volumes") or []:
+            if isinstance(volume, dict) and ("secret" in volume or "projected" in volume):
+                found.append(f"spec.template.spec.volumes: {volume.get('name')!r} mounts a Secret")
+        for key in _CONTAINER_LISTS:
+            for container in pod.get(key) or []:
+                where = f"spec.template.spec.{key}[{container.get('name')!r}]"
+                context = container.get("securityContext") or {}
+                if context.get("privileged") or context.get("allowPrivilegeEscalation"):
+                    found.append(f"{where}.securityContext grants privileges")
+                refs = [
+                    e.get("name")
+                    for e in container.get("env") or []
+                    if "secretKeyRef" in ((e.get("valueFrom") or {}) if isinstance(e, dict) else {})
+                ]
+                refs += ["envFrom" for e in container.get("envFrom") or [] if "secretRef" in e]
+                if refs:
+                    found.append(f"{where} takes Kubernetes Secrets into its environment: {refs}")
+        return found
 
     def render(self, spec: LaunchSpec, *, namespace: str, ttl_seconds: int) -> dict[str, Any]:
         """The Job manifest of `spec` (a new object; the template is not changed)."""

@@ -37,7 +37,9 @@ spec:
     metadata:
       labels:
         app: harness
+        app.kubernetes.io/component: harness
     spec:
+      automountServiceAccountToken: false
       containers:
         - name: harness
           image: registry.example/harness:1
@@ -502,6 +504,39 @@ def test_bad_template_is_refused_with_a_clear_message(
     with pytest.raises(TemplateError, match=r"job template .*job\.yaml") as info:
         KubernetesRunner(make_settings(tmp_path, template=template))
     assert expected in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (("        app.kubernetes.io/component: harness\n", ""), "NetworkPolicy"),
+        (("      automountServiceAccountToken: false\n", ""), "automountServiceAccountToken"),
+        (
+            ("      containers:", "      hostNetwork: true\n      containers:"),
+            "hostNetwork is true",
+        ),
+        (
+            (
+                "            - name: FROM_TEMPLATE\n",
+                "            - name: STOLEN\n              valueFrom:\n                "
+                "secretKeyRef: {name: harnessrl-secrets, key: admin-token}\n"
+                "            - name: FROM_TEMPLATE\n",
+            ),
+            "takes Kubernetes Secrets into its environment: ['STOLEN']",
+        ),
+    ],
+    ids=["not-under-the-network-policy", "api-token", "host-network", "secret-env"],
+)
+def test_a_template_that_would_not_contain_harnesses_is_refused_unless_allowed(
+    tmp_path: Path, change: tuple[str, str], expected: str
+) -> None:
+    assert change[0] in TEMPLATE
+    template = TEMPLATE.replace(*change)
+    with pytest.raises(TemplateError, match="harness pods would not be contained") as info:
+        KubernetesRunner(make_settings(tmp_path, template=template))
+    assert expected in str(info.value)
+    assert "controller.kubernetes.allow_uncontained" in str(info.value)
+    KubernetesRunner(make_settings(tmp_path, template=template, allow_uncontained=True))
 
 
 def test_missing_template_file_is_refused(tmp_path: Path) -> None:

@@ -708,6 +708,12 @@ def test_gateway_replicas_overlay_runs_three_and_the_controller_knows_them(
 # -- the harness Job template ------------------------------------------------------------
 
 
+def test_the_shipped_job_template_contains_harness_pods(objects: tuple[Obj, ...]) -> None:
+    """The controller would refuse to start on a template whose pods are not contained."""
+    template = JobTemplate.parse(job_template_text(objects), NAMESPACE, source="job.yaml")
+    assert template.uncontained() == []
+
+
 def test_job_template_with_sample_values_is_a_batch_v1_job(objects: tuple[Obj, ...]) -> None:
     text = job_template_text(objects)
     assert placeholders(yaml.safe_load(text)) == {*SAMPLE, "COMMAND_JSON"}

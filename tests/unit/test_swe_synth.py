@@ -235,3 +235,13 @@ def test_validation_drops_each_kind_of_invalid_task(pristine: Path) -> None:
     }
     for reason, task in cases.items():
         assert validate(task, settings) == reason, reason
+
+
+def test_the_coding_task_job_template_contains_harness_pods() -> None:
+    """The Job template `swe synth` writes per project: the controller would refuse to start
+    on one whose harness pods are not contained."""
+    from harnessrl.services.controller.kubernetes_job import JobTemplate
+    from harnessrl.swe.deploy import job_template
+
+    text = job_template(PROJECT, "registry.example/calc-tasks:1")
+    assert JobTemplate.parse(text, "default").uncontained() == []
