@@ -37,7 +37,8 @@ from typing import Any, Literal, cast
 from harnessrl.services.reward.config import TestsSettings
 
 JUNIT_PLACEHOLDER = "{junit_xml}"
-"""In the test command, replaced by the path where the run's JUnit XML report is expected."""
+"""In the test command, replaced by a path inside the jail for a JUnit XML report (which
+nothing reads: the score comes from the test guard)."""
 
 Scoring = Literal["fraction", "all_pass"]
 _SCORINGS: tuple[Scoring, ...] = ("fraction", "all_pass")
@@ -114,12 +115,6 @@ class CodingTask:
             quoted = shlex.quote(junit_xml)
             return ("sh", "-c", self.test_command.replace(JUNIT_PLACEHOLDER, quoted))
         return tuple(arg.replace(JUNIT_PLACEHOLDER, junit_xml) for arg in self.test_command)
-
-    @property
-    def writes_junit(self) -> bool:
-        """Whether the command asks for a JUnit report (holds `{junit_xml}`)."""
-        words = [self.test_command] if isinstance(self.test_command, str) else self.test_command
-        return any(JUNIT_PLACEHOLDER in word for word in words)
 
     def command_words(self) -> tuple[str, ...]:
         """The command's words: the argv, or a string command split as the shell would

@@ -1,20 +1,12 @@
-"""Test runs as contained process groups: bounded in time, cut off from the network.
+"""A test run as a process group: bounded in time, its output's tail kept, with a clean
+environment.
 
-A test run executes code the policy wrote, so it gets:
-
-- its own session, hence its own process group: the command and every child it starts.
-  When the run ends, times out or is cancelled, the whole group is killed (SIGTERM, then
-  SIGKILL after the grace); nothing of it outlives the run. A child that starts its own
-  session escapes the group: containing that needs a PID namespace or a cgroup, which this
-  module does not use.
-- a clean environment (`clean_env`): the caller's secrets and Python settings never reach
-  the tests.
-- no network, where asked: the command runs under `unshare --user --map-root-user --net`,
-  in a new user and network namespace whose only interface is loopback (brought up, so
-  suites that serve on localhost work). unshare and the loopback step exec the command, so
-  the process we started is the command itself and killing its group works as without it
-  (the user namespace is ours, so our signals reach it).
-- a cap on the output kept: only its tail, for the score's message.
+`run_group` starts a command (the test jail's bwrap, see `jail.py`) in its own session,
+hence its own process group. When the run ends, times out or is cancelled, the whole group
+is killed (SIGTERM, then SIGKILL after the grace); the jail's PID namespace then takes
+every process the run started with it. Only the tail of the output is kept, for the
+score's message. `clean_env` is the run's whole environment: the caller's secrets and
+Python settings never reach the tests.
 """
 
 from __future__ import annotations
@@ -22,34 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from harnessrl.logs import get_logger
-
-log = get_logger(__name__)
-
-# Inside the new namespace, bring loopback up (test suites often serve on localhost), then
-# exec the command: SIOCGIFFLAGS / SIOCSIFFLAGS with IFF_UP on "lo", no `ip` needed.
-_LOOPBACK_UP = (
-    "import fcntl,os,socket,struct,sys\n"
-    "s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
-    "f=struct.unpack('16sH',fcntl.ioctl(s,0x8913,struct.pack('16sH',b'lo',0)))[1]\n"
-    "fcntl.ioctl(s,0x8914,struct.pack('16sH',b'lo',f|1))\n"
-    "s.close()\n"
-    "os.execvp(sys.argv[1],sys.argv[1:])\n"
-)
-NETNS_PREFIX = (
-    "unshare", "--user", "--map-root-user", "--net", "--", sys.executable, "-c", _LOOPBACK_UP
-)  # fmt: skip
-"""Runs the rest of the argv in new user and network namespaces: loopback only."""
-
-_PROBE_TIMEOUT_S = 10.0
 _READ_CHUNK = 64 * 1024
 _LINE_LIMIT = 64 * 1024
 """Longer lines are not passed to `on_line` (a summary line is far shorter)."""
@@ -73,70 +42,6 @@ def clean_env(home: Path, tmp: Path) -> dict[str, str]:
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONNOUSERSITE": "1",
     }
-
-
-class NetworkPolicy:
-    """Decides, once per instance, how test runs reach the network (settings `network`)."""
-
-    def __init__(self, mode: Literal["auto", "off", "on"]) -> None:
-        self._mode = mode
-        self._problem: str | None = None
-        self._probed = False
-        self._lock = asyncio.Lock()
-
-    async def prefix(self) -> tuple[str, ...]:
-        """The argv prefix that puts a test run where it belongs; () for the host network.
-
-        Probes the machine on the first call ("off" and "auto" only) and remembers the
-        answer. Raises RuntimeError when the mode is "off" and the machine cannot make a
-        network namespace.
-        """
-        if self._mode == "on":
-            return ()
-        async with self._lock:
-            if not self._probed:
-                self._problem = await _probe_netns()
-                self._probed = True
-                if self._problem is not None and self._mode == "auto":
-                    log.warning(
-                        "test runs will have the host's network: no network namespace here",
-                        setting="reward.tests.network",
-                        reason=self._problem,
-                    )
-        if self._problem is None:
-            return NETNS_PREFIX
-        if self._mode == "off":
-            raise RuntimeError(
-                f'reward.tests.network: "off", but this machine cannot make a network '
-                f"namespace ({self._problem})"
-            )
-        return ()
-
-
-async def _probe_netns() -> str | None:
-    """None when `unshare` can run a command without network here, else why not."""
-    if shutil.which(NETNS_PREFIX[0]) is None:
-        return f"{NETNS_PREFIX[0]} is not installed"
-    try:
-        process = await asyncio.create_subprocess_exec(
-            *NETNS_PREFIX,
-            "true",
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
-    except OSError as err:
-        return f"cannot start {NETNS_PREFIX[0]}: {err}"
-    try:
-        _, stderr = await asyncio.wait_for(process.communicate(), _PROBE_TIMEOUT_S)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        return f"{NETNS_PREFIX[0]} did not answer in {_PROBE_TIMEOUT_S:g} s"
-    if process.returncode != 0:
-        detail = stderr.decode("utf-8", "replace").strip() or f"exit code {process.returncode}"
-        return f"{' '.join(NETNS_PREFIX[:-1])} true: {detail}"
-    return None
 
 
 @dataclass(frozen=True, slots=True)
