@@ -112,7 +112,7 @@ swe-tasks: venv
 	$(BIN)/harnessrl swe clean $(SWE_OUT)/synth/tasks.jsonl --out $(SWE_OUT)/clean.jsonl \
 		--validate --tasks-out $(SWE_OUT)/tasks.jsonl --report $(SWE_OUT)/clean-report.json
 
-swe-smoke: swe-harness swe-coder
+swe-smoke: swe-harness swe-coder sandbox-tools
 	$(BIN)/harnessrl swe synth --out runs/swe-smoke/synth --projects six --runs 2 \
 		--candidates 40 --per-project 3
 	$(BIN)/harnessrl swe clean runs/swe-smoke/synth/tasks.jsonl --out runs/swe-smoke/clean.jsonl \

@@ -3,10 +3,11 @@
 For each task of a SWE-bench-format task file (as `harnessrl swe synth` writes it, with its
 environment and test command), two patches are scored: the gold patch and a patch that
 fixes nothing (it adds a notes file). Each is scored the way the reward service does it
-(`TestsReward` on the task's `builtin:tests` metadata: clone, the patch's rules, the run,
-the grade), and, as the baseline in the same run, the bare test run: a clone at the base
-commit, the patch applied with git, the task's test command run directly (no rules, no
-containment). Rounds alternate reward and bare; medians are reported.
+(`TestsReward` on the task's `builtin:tests` metadata: clone, the patch's rules, the jailed
+and guarded run, the grade), and, as the baseline in the same run, the bare test run: a
+clone at the base commit, the patch applied with git, the task's test command run directly
+as a subprocess (no rules, no jail, no guard). Rounds alternate reward and bare; medians
+are reported.
 
 The JSON line holds seconds per scored patch for both, their ratio (reward / bare), and
 the scores (gold patches must score 1, the others 0).
@@ -29,7 +30,6 @@ import orjson
 from harnessrl.services.reward.config import TestsSettings
 from harnessrl.services.reward.episode import Episode
 from harnessrl.services.reward.patch_tests import TestsReward
-from harnessrl.swe.env import run_command
 from harnessrl.swe.tasks import SweTask, read_records, to_harnessrl
 from harnessrl.v1 import events_pb2 as pb
 
@@ -109,7 +109,8 @@ def _bare_round(tasks: list[SweTask], scratch: Path) -> float:
             )
             (work / "patch.diff").write_text(patch if patch.endswith("\n") else patch + "\n")
             subprocess.run(["git", "apply", str(work / "patch.diff")], cwd=copy, check=True)
-            run_command(command, copy, 600.0)
+            argv = [a.replace("{junit_xml}", str(work / "junit.xml")) for a in command]
+            subprocess.run(argv, cwd=copy, capture_output=True, timeout=600, check=False)
             subprocess.run(["rm", "-rf", str(work)], check=True)
     return time.perf_counter() - started
 

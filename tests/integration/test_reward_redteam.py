@@ -626,3 +626,19 @@ def test_records_hold_what_the_reward_needs(six_print: Task, tab_media: Task) ->
         assert run.problems == ()
         assert named <= run.passed  # every named test passes on the released code
         assert orjson.dumps(record)
+
+
+def test_bench_reward_prints_seconds_per_patch_against_the_bare_run(
+    six_print: Task, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`harnessrl bench reward` on one task: its JSON line, gold 1 and the no-op patch 0
+    (timings are the benchmark's output, not asserted)."""
+    from harnessrl.cli import main
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_bytes(orjson.dumps(six_print.record) + b"\n")
+    assert main(["bench", "reward", "--tasks", str(tasks), "--rounds", "1", "--json"]) == 0
+    result = orjson.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (result["tasks"], result["patches_per_round"]) == (1, 2)
+    assert (result["gold_scored_1"], result["noop_scored_0"]) == (1, 1)
+    assert result["reward_s_per_patch"] > 0 and result["bare_run_s_per_patch"] > 0
