@@ -28,10 +28,9 @@ from typing import Any
 import orjson
 
 from harnessrl.services.reward.config import TestsSettings
-from harnessrl.services.reward.episode import Episode
+from harnessrl.services.reward.episode import standalone_episode
 from harnessrl.services.reward.patch_tests import TestsReward
 from harnessrl.swe.tasks import SweTask, read_records, to_harnessrl
-from harnessrl.v1 import events_pb2 as pb
 
 NOOP_FILE = "HARNESSRL_BENCH_NOTES.md"
 
@@ -56,29 +55,6 @@ def load_tasks(path: Path, limit: int) -> list[SweTask]:
     return tasks[:limit] if limit > 0 else tasks
 
 
-def _episode(metadata: dict[str, Any], patch: str) -> Episode:
-    return Episode(
-        episode_id="bench",
-        attempt=0,
-        group_id="bench",
-        task_id="bench",
-        mode="train",
-        status="succeeded",
-        reason="",
-        exit_code=0,
-        task_input=None,
-        task_metadata=metadata,
-        result={"patch": patch},
-        result_json="",
-        artifacts_dir=None,
-        artifacts_uri="",
-        started_at=0.0,
-        finished_at=0.0,
-        policy_version=0,
-        event=pb.EpisodeFinished(),
-    )
-
-
 async def _reward_round(
     reward: TestsReward, tasks: list[SweTask]
 ) -> tuple[float, list[tuple[str, str, float]]]:
@@ -87,7 +63,7 @@ async def _reward_round(
     for task in tasks:
         metadata = to_harnessrl(task, "train")["metadata"]
         for kind, patch in (("gold", task.patch), ("noop", noop_patch())):
-            score = await reward(_episode(metadata, patch))
+            score = await reward(standalone_episode(metadata, result={"patch": patch}))
             scores.append((task.instance_id, kind, score.value))
     return time.perf_counter() - started, scores
 

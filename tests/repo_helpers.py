@@ -12,8 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from harnessrl.services.reward.episode import Episode
-from harnessrl.v1 import events_pb2 as pb
+from harnessrl.services.reward.episode import Episode, standalone_episode
 
 _IDENTITY = ("-c", "user.name=harnessrl tests", "-c", "user.email=tests@harnessrl.invalid")
 
@@ -75,23 +74,6 @@ def coding_episode(
     metadata: Mapping[str, Any], *, result: Any = None, artifacts_dir: Path | None = None
 ) -> Episode:
     """A finished episode of a coding task, as the reward service would build it."""
-    return Episode(
-        episode_id="ep-1",
-        attempt=0,
-        group_id="group-1",
-        task_id="task-1",
-        mode="train",
-        status="succeeded",
-        reason="",
-        exit_code=0,
-        task_input={"prompt": "fix the bug"},
-        task_metadata=metadata,
-        result=result,
-        result_json="",
-        artifacts_dir=artifacts_dir,
-        artifacts_uri=artifacts_dir.as_uri() if artifacts_dir else "",
-        started_at=0.0,
-        finished_at=1.0,
-        policy_version=0,
-        event=pb.EpisodeFinished(),
+    return standalone_episode(
+        metadata, result=result, artifacts_dir=artifacts_dir, task_input={"prompt": "fix the bug"}
     )

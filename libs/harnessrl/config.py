@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -300,3 +300,25 @@ def secret_values(config: BaseModel) -> list[str]:
 
     walk(config)
     return found
+
+
+class SharedSecretsSection(ServiceSection):
+    """A service that holds the secrets the gateway and the controller share."""
+
+    token_secret: SecretStr | None = None
+    """HMAC secret of episode tokens (the same in the gateway and the controller); required."""
+    admin_token: SecretStr | None = None
+    """Bearer token of the gateway's admin API (the controller closes episodes with it);
+    required."""
+    token_secret_file: Path | None = None
+    """A file holding token_secret (a Compose or Kubernetes secret), instead of the value:
+    a secret in a file stays out of the process environment, which /proc shows."""
+    admin_token_file: Path | None = None
+    """A file holding admin_token, instead of the value."""
+
+    _secrets = field_validator("token_secret", "admin_token")(real_secret)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secret_files(cls, data: Any) -> Any:
+        return secrets_from_files(data, ("token_secret", "admin_token"))

@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from harnessrl.config import (
-    GiB,
-    MiB,
-    Section,
-    ServiceConfig,
-    ServiceSection,
-    real_secret,
-    secrets_from_files,
-)
+from harnessrl.config import GiB, MiB, Section, ServiceConfig, SharedSecretsSection
 
 MAX_GROUP_SIZE = 1024
 """Largest group a task may ask for (TaskSubmitted.group_size): a group's episodes are all
@@ -171,7 +163,7 @@ class GatewayReplica(Section):
     _urls = field_validator("url")(http_url)
 
 
-class ControllerSection(ServiceSection):
+class ControllerSection(SharedSecretsSection):
     """The controller: which harness, where it runs, how many at once."""
 
     port: int = Field(default=8210, ge=0, le=65535)
@@ -190,15 +182,6 @@ class ControllerSection(ServiceSection):
     """Several gateway replicas (instead of gateway_url): each episode belongs to one, chosen
     by rendezvous hashing of its id over the names; its harness is given that replica's URL,
     its token names it, and it is closed there."""
-    token_secret: SecretStr | None = None
-    """HMAC secret for episode tokens (the gateway's token_secret); required."""
-    admin_token: SecretStr | None = None
-    """The gateway's admin token (to close episodes); required."""
-    token_secret_file: Path | None = None
-    """A file holding token_secret (a Compose or Kubernetes secret), instead of the value:
-    a secret in a file stays out of the process environment, which /proc shows."""
-    admin_token_file: Path | None = None
-    """A file holding admin_token, instead of the value."""
     token_margin_s: float = Field(default=300.0, ge=0)
     """How long a token outlives its run's timeout."""
     group_size: int = Field(default=4, ge=1, le=MAX_GROUP_SIZE)
@@ -235,13 +218,6 @@ class ControllerSection(ServiceSection):
     "kubernetes")."""
     sandbox: SandboxSettings = SandboxSettings()
     """Local runner: the containment of each harness run (default off)."""
-
-    _secrets = field_validator("token_secret", "admin_token")(real_secret)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _secret_files(cls, data: Any) -> Any:
-        return secrets_from_files(data, ("token_secret", "admin_token"))
 
     @field_validator("inherit_env")
     @classmethod

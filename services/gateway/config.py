@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from harnessrl.config import (
-    MiB,
-    Section,
-    ServiceConfig,
-    ServiceSection,
-    real_secret,
-    secrets_from_files,
-)
+from harnessrl.config import MiB, Section, ServiceConfig, SharedSecretsSection, real_secret
 
 
 class SamplingOverrides(Section):
@@ -34,7 +26,7 @@ class SamplingOverrides(Section):
     recomputed log-probs would not reflect, and that have no neutral value to send)."""
 
 
-class GatewaySection(ServiceSection):
+class GatewaySection(SharedSecretsSection):
     """The gateway: where harness calls come in and which engines answer them."""
 
     port: int = Field(default=8000, ge=0, le=65535)
@@ -57,17 +49,8 @@ class GatewaySection(ServiceSection):
     engine_model: str | None = None
     """Model name to ask the engines for (default: the first one their /v1/models lists).
     Harnesses may ask for any model name; it is answered under the name they asked for."""
-    token_secret: SecretStr | None = None
-    """HMAC secret of episode tokens (the controller's `token_secret`); required."""
     previous_token_secrets: list[SecretStr] = []
     """Older secrets still accepted while a rotation completes."""
-    admin_token: SecretStr | None = None
-    """Bearer token of the admin API (close, pause, resume, drain); required."""
-    token_secret_file: Path | None = None
-    """A file holding token_secret (a Compose or Kubernetes secret), instead of the value:
-    a secret in a file stays out of the process environment, which /proc shows."""
-    admin_token_file: Path | None = None
-    """A file holding admin_token, instead of the value."""
     max_body_bytes: int = Field(default=8 * MiB, ge=1024)
     """Largest request body accepted (413 beyond)."""
     max_buffered_bytes: int = Field(default=256 * MiB, ge=1024)
@@ -138,13 +121,6 @@ class GatewaySection(ServiceSection):
     responses_store_max: int = Field(default=10_000, ge=0)
     """Responses kept for `previous_response_id` and GET /v1/responses/{id}, over all
     episodes of this replica (oldest dropped first; an episode's go when its token expires)."""
-
-    _secrets = field_validator("token_secret", "admin_token")(real_secret)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _secret_files(cls, data: Any) -> Any:
-        return secrets_from_files(data, ("token_secret", "admin_token"))
 
     @model_validator(mode="after")
     def _budget_holds_a_body(self) -> GatewaySection:

@@ -110,6 +110,39 @@ class Episode:
         )
 
 
+def standalone_episode(
+    metadata: Mapping[str, Any],
+    *,
+    result: Any,
+    mode: str = "train",
+    artifacts_dir: Path | None = None,
+    task_input: Any = None,
+) -> Episode:
+    """A finished episode made outside the reward service (a benchmark, a task validation,
+    a test): the task's metadata and the harness's result as given, everything else
+    neutral (a succeeded attempt 0 of one task, exit code 0)."""
+    return Episode(
+        episode_id="ep-1",
+        attempt=0,
+        group_id="group-1",
+        task_id="task-1",
+        mode=mode,
+        status="succeeded",
+        reason="",
+        exit_code=0,
+        task_input=task_input,
+        task_metadata=metadata,
+        result=result,
+        result_json="",
+        artifacts_dir=artifacts_dir,
+        artifacts_uri=artifacts_dir.as_uri() if artifacts_dir else "",
+        started_at=0.0,
+        finished_at=1.0,
+        policy_version=0,
+        event=pb.EpisodeFinished(),
+    )
+
+
 def _local_dir(uri: str) -> Path | None:
     parsed = urlparse(uri)
     if parsed.scheme != "file" or parsed.netloc not in ("", "localhost"):

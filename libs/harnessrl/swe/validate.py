@@ -34,13 +34,12 @@ from typing import Any
 
 from harnessrl.services.reward.coding_task import CodingTask
 from harnessrl.services.reward.config import TestsSettings
-from harnessrl.services.reward.episode import Episode
+from harnessrl.services.reward.episode import standalone_episode
 from harnessrl.services.reward.evidence import all_outcomes, inconsistencies
 from harnessrl.services.reward.patch_tests import TestsReward
 from harnessrl.services.reward.test_names import NameIndex, status_of
 from harnessrl.swe.env import EnvError, blocking
 from harnessrl.swe.tasks import SweTask, to_harnessrl
-from harnessrl.v1 import events_pb2 as pb
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +106,7 @@ async def _round(
         return "validation:fail_to_pass_passes_before"
     if any(status(t) != "passed" for t in task.pass_to_pass):
         return "validation:pass_to_pass_fails_before"
-    gold = await reward(_episode(metadata, task.patch))
+    gold = await reward(standalone_episode(metadata, result={"patch": task.patch}, mode="val"))
     if gold.value == 1.0 and not gold.flags:
         return None
     return _after(gold.flags, gold.message, task)
@@ -127,29 +126,6 @@ def _after(flags: tuple[str, ...], message: str, task: SweTask) -> str:
     if any(t in failing for t in task.fail_to_pass):
         return "validation:fail_to_pass_fails_after"
     return "validation:pass_to_pass_fails_after"
-
-
-def _episode(metadata: Mapping[str, Any], patch: str) -> Episode:
-    return Episode(
-        episode_id="validate",
-        attempt=0,
-        group_id="validate",
-        task_id="validate",
-        mode="val",
-        status="succeeded",
-        reason="",
-        exit_code=0,
-        task_input=None,
-        task_metadata=metadata,
-        result={"patch": patch},
-        result_json="",
-        artifacts_dir=None,
-        artifacts_uri="",
-        started_at=0.0,
-        finished_at=0.0,
-        policy_version=0,
-        event=pb.EpisodeFinished(),
-    )
 
 
 def validate_all(
