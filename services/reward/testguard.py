@@ -114,7 +114,8 @@ def _open_channel() -> _Channel | None:
         os.close(key_fd)
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         top = max(64, min(soft, 4096) - 1)
-        moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, secrets.randbelow(top - 32) + 32)
+        moved = fcntl.fcntl(fd, fcntl.F_DUPFD, secrets.randbelow(top - 32) + 32)
+        os.set_inheritable(moved, False)
         os.close(fd)
     except (OSError, ValueError):
         return None

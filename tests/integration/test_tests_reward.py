@@ -10,6 +10,7 @@ import asyncio
 import json
 import re
 import shlex
+import subprocess
 import sys
 import uuid
 from dataclasses import dataclass
@@ -489,3 +490,25 @@ async def test_copy_is_removed_and_source_untouched(
     assert settings.scratch_dir is not None
     assert list(settings.scratch_dir.iterdir()) == []
     assert snapshot() == before
+
+
+@pytest.fixture(scope="module")
+def older_pytest(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A venv with pytest 7 (from the package index): tasks bring their own environments."""
+    env = tmp_path_factory.mktemp("pytest7") / "env"
+    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
+    pip = [str(env / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, "--disable-pip-version-check", "pytest==7.4.4"], check=True)
+    return env
+
+
+async def test_the_guard_serves_an_older_pytest_in_the_tasks_own_environment(
+    project: Project, settings: config.TestsSettings, older_pytest: Path
+) -> None:
+    python = str(older_pytest / "bin" / "python")
+    command = ["env", "PYTHONPATH=.", python, "-m", "pytest", "-q", "--junitxml={junit_xml}"]
+    metadata = project.metadata(test_command=[*command, "tests"])
+    fixed = await score(settings, metadata, result={"patch": project.patch({"calc.py": FIXED})})
+    assert (fixed.value, fixed.flags) == (1.0, ()), fixed.message
+    broken = await score(settings, metadata, result={"patch": project.patch({"x.txt": "x\n"})})
+    assert broken.value == pytest.approx(2 / 3), broken.message
