@@ -108,17 +108,22 @@ def environment(project: Project, envs_dir: Path, timeout_s: float = 600.0) -> P
 
 
 def project_copies(project: Project, env: Path) -> list[str]:
-    """Paths in the environment that hold a module or package named like the project's
-    (at any depth: a vendored copy counts); [] for a clean environment."""
+    """Paths in the environment that hold a copy of the project's code (at any depth: a
+    vendored copy counts): for a single-module project, a module of its name; for a
+    package, a package of its name (a module that merely shares the name, such as
+    hypothesis's `attrs.py` support module, is not a copy of the attrs package); [] for a
+    clean environment."""
     wanted = {project.name.replace("-", "_").lower()}
     if not project.code.endswith(".py") and project.code != "src":
         wanted.add(Path(project.code).name.lower())
-    if project.code.endswith(".py"):
+    single = project.code.endswith(".py")
+    if single:
         wanted.add(Path(project.code).stem.lower())
     found = []
     for path in env.rglob("*"):
         stem = path.name[:-3] if path.name.endswith(".py") else path.name
-        if stem.lower() in wanted and (path.suffix == ".py" or (path / "__init__.py").is_file()):
+        copy = path.suffix == ".py" if single else (path / "__init__.py").is_file()
+        if stem.lower() in wanted and copy:
             found.append(str(path.relative_to(env)))
     return sorted(found)
 

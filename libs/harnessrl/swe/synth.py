@@ -15,7 +15,8 @@ For each project, in stages, each of which a rerun skips when its result is on d
    1 <= |FAIL_TO_PASS| <= `max_fail_to_pass` (so every other reliable test still passes)
    and no kept task of the project has the same FAIL_TO_PASS; at most `per_project` are
    kept (a bug that stops pytest itself, a conftest that no longer imports, is dropped as
-   `runner_broken`; one whose run does not add up under the guard as `unguarded`). The task's command runs the whole suite when its baseline run takes at most
+   `runner_broken`; one whose run does not add up under the guard as `unguarded`). The
+   task's command runs the whole suite when its baseline run takes at most
    `full_suite_s`, else (as in SWE-bench) the test files of its FAIL_TO_PASS; PASS_TO_PASS
    is every other reliable test the command runs, and `known_failures` the tests it runs
    that failed in a baseline run (the only tests besides the named ones allowed to fail:
