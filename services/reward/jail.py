@@ -34,6 +34,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,6 +254,26 @@ class Jail:
             raise JailError(f"the test jail could not be set up: {tail or 'no message'}")
         outcome = RunOutcome(exit_code, False, outcome.output_tail)
         return JailedRun(outcome, channel, key)
+
+    async def probe(self) -> None:
+        """Run `true` in an empty jail; raises JailError when this machine (or container)
+        cannot make one, so a reward service that must jail its test runs says so when it
+        starts rather than leaving every coding episode without a reward."""
+        with tempfile.TemporaryDirectory(prefix="harnessrl-jail-probe-") as empty:
+            repo = Path(empty)
+            os.chmod(empty, 0o755)  # a jail dropped to another uid reads it
+            env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": JAIL_TMP}
+            try:
+                run = await self.run(
+                    ["true"], repo=repo, prefixes=[], env=env, guard=None, timeout_s=30
+                )
+            except OSError as err:
+                raise JailError(f"reward.tests.bwrap: cannot start it: {err}") from err
+        if run.outcome.exit_code != 0:
+            tail = run.outcome.output_tail.decode("utf-8", "replace").strip()[-500:]
+            raise JailError(
+                f"the test jail runs nothing here (exit {run.outcome.exit_code}): {tail}"
+            )
 
     def _take_uid(self) -> int:
         uid = self._settings.uid_base

@@ -24,6 +24,7 @@ from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
 from harnessrl.services.reward.config import RewardConfig
 from harnessrl.services.reward.episode import Episode
+from harnessrl.services.reward.jail import Jail
 from harnessrl.services.reward.scoring import CallPolicy, assign
 from harnessrl.services.reward.sources import FunctionScorer, Scorer, make_scorer
 from harnessrl.v1 import events_pb2 as pb
@@ -98,6 +99,8 @@ class RewardService:
 
     async def run(self) -> None:
         config, runtime = self._config, self._runtime
+        if config.reward.source == "builtin:tests":  # it never scores outside its jail
+            await Jail(config.reward.tests).probe()
         bus_metrics = BusMetrics(runtime.registry)
         async with AsyncExitStack() as stack:
             stack.push_async_callback(self._scorer.close)

@@ -265,3 +265,26 @@ async def test_an_unreachable_grpc_reward_is_retried_then_missing(
         got = await rewards(broker, 1)
     assert got["l-0"].missing and list(got["l-0"].flags) == ["reward_error"]
     assert "UNAVAILABLE" in got["l-0"].message
+
+
+async def test_builtin_tests_refuses_to_start_where_it_cannot_jail_a_test_run(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """builtin:tests never scores outside its jail: a service that cannot make one stops at
+    start, naming the setting, instead of leaving every coding episode unscored."""
+    from harnessrl.services.reward.config import TestsSettings
+    from harnessrl.services.reward.jail import JailError
+
+    config = RewardConfig(
+        instance="rw-nojail",
+        kafka=KafkaSettings(bootstrap_servers=broker.bootstrap, partitions=3),
+        consumer=ConsumerSettings(**FAST_GROUP),
+        producer=ProducerSettings(spill_dir=tmp_path / "spill"),
+        reward=RewardSection(
+            port=0, source="builtin:tests", tests=TestsSettings(bwrap="no-such-bwrap")
+        ),
+    )
+    service = RewardService(config, Runtime("reward", "rw", CollectorRegistry(), TracerProvider()))
+    with pytest.raises(JailError, match=r"reward\.tests\.bwrap: 'no-such-bwrap' not found"):
+        await service.run()
+    assert not service.ready.is_set()
