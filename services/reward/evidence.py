@@ -10,7 +10,7 @@ Outcomes of a test (`outcome_of`), from the phases pytest reported and what the 
 wrapper saw the call raise:
 
 - error: a setup or teardown phase failed (or a module failed to collect);
-- failed: the call failed (a strict xfail that passed included);
+- failed: the call failed (a strict xfail that passed included), or one of its subtests;
 - skipped / xfailed / xpassed: as pytest marks them;
 - passed: setup, call and teardown passed, the call observed raising nothing;
 - None: not collected, or not run to its end (the run stopped).
@@ -48,6 +48,8 @@ class Evidence:
     phases: dict[str, dict[str, str]] = field(default_factory=dict)
     """Node id -> phase ("setup", "call", "teardown") -> outcome ("passed", "failed",
     "skipped", or "xfailed" / "xpassed" where pytest marked the report)."""
+    subtests: dict[str, list[str]] = field(default_factory=dict)
+    """Node id -> the outcomes of its subtests (unittest's subTest, pytest's subtests)."""
     raised: dict[str, str | None] = field(default_factory=dict)
     """Node id -> the exception the call raised, as the guard saw it (None: nothing)."""
     texts: dict[str, str] = field(default_factory=dict)
@@ -133,6 +135,12 @@ def _take_phase(evidence: Evidence, record: dict[str, Any]) -> None:
     if evidence.collected is None or nodeid not in set(evidence.collected):
         evidence.forged.append(f"{nodeid}: reported, never collected")
         return
+    if record.get("sub"):  # one of a test's subtests: as many as it has, none a phase
+        outcome = str(record.get("outcome"))
+        evidence.subtests.setdefault(nodeid, []).append(outcome)
+        if outcome == "failed" and nodeid not in evidence.texts:
+            evidence.texts[nodeid] = str(record.get("text", ""))
+        return
     phases = evidence.phases.setdefault(nodeid, {})
     if when in phases:
         evidence.forged.append(f"{nodeid}: its {when} reported twice")
@@ -159,6 +167,8 @@ def outcome_of(evidence: Evidence, nodeid: str) -> Outcome | None:
         return None
     if call in ("failed", "skipped", "xfailed", "xpassed"):
         return call  # type: ignore[return-value]  # the phase outcomes are Outcome's
+    if "failed" in evidence.subtests.get(nodeid, ()):
+        return "failed"  # a test with a failed subtest fails, as pytest counts it
     return "passed"
 
 

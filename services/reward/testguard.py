@@ -306,6 +306,9 @@ class _Guard:
                 "when": report.when,
                 "outcome": report.outcome,
                 "xfail": bool(getattr(report, "wasxfail", None) is not None),
+                # a subtest's report (unittest's subTest, pytest's subtests fixture): one of
+                # many of the same phase
+                "sub": "subtest" in type(report).__name__.lower() or hasattr(report, "context"),
                 "text": longrepr,
             }
         )

@@ -512,3 +512,32 @@ async def test_the_guard_serves_an_older_pytest_in_the_tasks_own_environment(
     assert (fixed.value, fixed.flags) == (1.0, ()), fixed.message
     broken = await score(settings, metadata, result={"patch": project.patch({"x.txt": "x\n"})})
     assert broken.value == pytest.approx(2 / 3), broken.message
+
+
+SUBTESTS = """import unittest
+
+from calc import add
+
+
+class AddTests(unittest.TestCase):
+    def test_add_many(self):
+        for a, b, total in [(1, 2, 3), (2, 2, 4), (0, 5, 5)]:
+            with self.subTest(a=a, b=b):
+                self.assertEqual(add(a, b), total)
+"""
+
+
+async def test_subtests_count_and_a_failing_one_fails_its_test(
+    tmp_path: Path, settings: config.TestsSettings
+) -> None:
+    """unittest's subTest: each subtest is reported; the test passes only when all do."""
+    repo = tmp_path / "subtests"
+    project = Project(
+        repo, make_repo(repo, {"calc.py": CALC, "tests/test_sub.py": SUBTESTS}), tmp_path
+    )
+    metadata = project.metadata(tests=["tests/test_sub.py::AddTests::test_add_many"])
+    fixed = await score(settings, metadata, result={"patch": project.patch({"calc.py": FIXED})})
+    assert (fixed.value, fixed.flags) == (1.0, ()), fixed.message
+    broken = await score(settings, metadata, result={"patch": project.patch({"x.txt": "x\n"})})
+    assert (broken.value, broken.flags) == (0.0, ()), broken.message
+    assert "failed: tests/test_sub.py::AddTests::test_add_many" in broken.message

@@ -332,3 +332,21 @@ def test_runner_command_is_scored_by_its_exit_status_alone() -> None:
     task = _task(runner="command", tests=[])
     assert grade(task, _exited(0), None, []).value == 1.0
     assert grade(task, _exited(2), None, []).value == 0.0
+
+
+def test_subtests_are_many_reports_of_one_call_and_a_failed_one_fails_the_test() -> None:
+    sub = {"k": "test", "nodeid": A, "when": "call", "sub": True, "text": "sub boom"}
+    records = [
+        ran(A)[0],
+        ran(A)[1],
+        sub | {"outcome": "passed"},
+        sub | {"outcome": "failed"},
+        sub | {"outcome": "passed"},
+        ran(A)[2],
+        ran(A)[3],
+    ]
+    evidence = read(stream(hello(), collected(A), *records, end(1)), KEY)
+    assert evidence.forged == []
+    assert all_outcomes(evidence) == {A: "failed"}
+    assert inconsistencies(evidence, 1) == []
+    assert evidence.texts[A] == "sub boom"
