@@ -52,7 +52,7 @@ HOSTNAME = "harnessrl-tests"
 JAIL_TMP = "/tmp"
 SETPRIV = "setpriv"
 PRLIMIT = "prlimit"
-_CHANNEL_FD, _KEY_FD, _STATUS_FD = "HARNESSRL_GUARD_FD", "HARNESSRL_GUARD_KEY_FD", "status"
+_CHANNEL_FD, _KEY_FD = "HARNESSRL_GUARD_FD", "HARNESSRL_GUARD_KEY_FD"
 
 
 class JailError(RuntimeError):
@@ -155,15 +155,17 @@ def jail_argv(
     cwd: Path,
     uid: int | None,
     limits: tuple[int, int],
+    status_fd: int,
     command: Sequence[str],
 ) -> list[str]:
     """The bwrap command line. uid: the reward is root, the run drops to this uid (bwrap
     keeps only what setpriv needs for that); None: the reward is not root, the run is in a
     user namespace it cannot nest. limits: (processes, file bytes), set inside the jail
-    (where the process limit counts the run's uid, or the run's user namespace, alone)."""
+    (where the process limit counts the run's uid, or the run's user namespace, alone).
+    bwrap reports on `status_fd` when the command starts and how it ended."""
     argv = [bwrap, "--die-with-parent", "--new-session", "--hostname", HOSTNAME]
     argv += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net"]
-    argv += ["--unshare-cgroup-try", "--json-status-fd", _STATUS_FD]
+    argv += ["--unshare-cgroup-try", "--json-status-fd", str(status_fd)]
     if uid is None:
         argv += ["--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
     else:
@@ -223,8 +225,15 @@ class Jail:
                     "HARNESSRL_GUARD_PLUGINS": "\n".join(guard.plugins),
                 }
             limits = (self._settings.max_processes, self._settings.max_file_bytes)
-            argv = jail_argv(bwrap, mounts, cwd=repo, uid=uid, limits=limits, command=command)
-            argv = [str(fds.status_w) if a == _STATUS_FD else a for a in argv]
+            argv = jail_argv(
+                bwrap,
+                mounts,
+                cwd=repo,
+                uid=uid,
+                limits=limits,
+                status_fd=fds.status_w,
+                command=command,
+            )
             reader = asyncio.create_task(asyncio.to_thread(_read_all, fds.take_channel_r()))
             status = asyncio.create_task(asyncio.to_thread(_read_all, fds.take_status_r()))
             try:

@@ -70,10 +70,16 @@ def test_the_argv_isolates_every_namespace_and_drops_privileges() -> None:
     mounts = [Mount("ro-bind", "/usr", "/usr")]
     command = ["python", "-m", "pytest"]
     as_root = jail_argv(
-        "bwrap", mounts, cwd=Path("/r"), uid=2_050_000_000, limits=(64, 1024), command=command
+        "bwrap",
+        mounts,
+        cwd=Path("/r"),
+        uid=2_050_000_000,
+        limits=(64, 1024),
+        status_fd=9,
+        command=command,
     )
     as_user = jail_argv(
-        "bwrap", mounts, cwd=Path("/r"), uid=None, limits=(64, 1024), command=command
+        "bwrap", mounts, cwd=Path("/r"), uid=None, limits=(64, 1024), status_fd=9, command=command
     )
     for argv in (as_root, as_user):
         for flag in ("--unshare-pid", "--unshare-net", "--unshare-ipc", "--die-with-parent"):
@@ -84,7 +90,8 @@ def test_the_argv_isolates_every_namespace_and_drops_privileges() -> None:
             "--fsize=1024",
             "--core=0",
         ]
-        assert "--remount-ro" in argv and "--json-status-fd" in argv
+        assert "--remount-ro" in argv
+        assert argv[argv.index("--json-status-fd") + 1] == "9"
     assert "--unshare-user" not in as_root
     assert "--reuid=2050000000" in as_root and "--clear-groups" in as_root
     assert as_root[as_root.index("--cap-add") + 1] == "CAP_SETUID"
