@@ -259,14 +259,18 @@ class _Guard:
             self.seen.update(fresh)
             self.channel.send({"k": "tamper", "found": fresh[:50]})
 
-    def check(self, where: str, item: Any = None) -> None:
+    def check(self, where: str, item: Any = None) -> list[types.CodeType]:
+        """Run the checks; the code to watch while `item` runs (see `_item`)."""
+        watch: list[types.CodeType] = []
         try:
             found = self.snapshot.changed() + self._slots()
             if item is not None:
-                found += self._item(item)
+                problems, watch = self._item(item)
+                found += problems
         except Exception as err:
             found = ["guard check failed at " + where + ": " + type(err).__name__]
         self.tamper(found)
+        return watch
 
     # -- hooks ---------------------------------------------------------------------------
 
@@ -285,10 +289,20 @@ class _Guard:
 
     @pytest.hookimpl(hookwrapper=True, trylast=True)
     def pytest_runtest_call(self, item: Any) -> Any:
-        self.check("call", item)
-        outcome = yield
+        watch = self.check("call", item)
+        tracer, previous = None, None
+        if watch:  # a wrapped test: its own code must run to its end, at least once
+            tracer, previous = self._watched(watch), sys.gettrace()
+            sys.settrace(tracer)
+        try:
+            outcome = yield
+        finally:
+            if tracer is not None:
+                sys.settrace(previous)
         excinfo = outcome.excinfo
         raised = None if excinfo is None else _exception_name(excinfo[0])
+        if tracer is not None and raised is None and tracer.completed[0] == 0:
+            self.tamper(["the test's own code did not run to its end: " + item.nodeid])
         self.channel.send({"k": "call", "nodeid": item.nodeid, "raised": raised})
 
     @pytest.hookimpl(tryfirst=True)
@@ -345,13 +359,16 @@ class _Guard:
                 found.append("builtins." + name + " replaced by package code")
         return found
 
-    def _item(self, item: Any) -> list[str]:
+    def _item(self, item: Any) -> tuple[list[str], list[types.CodeType]]:
+        """What is wrong with the item about to run, and the code of its test function as
+        its file has it, which must run to its end during the call when pytest calls it
+        through a wrapper ([] when pytest calls that code itself)."""
         found = []
         for name, value in list(vars(item).items()):
             if callable(value) and callable(getattr(type(item), name, None)):
                 found.append("test item method replaced: " + name)
         if item.nodeid not in self.collected:
-            return [*found, "a test that was not collected runs: " + item.nodeid]
+            return [*found, "a test that was not collected runs: " + item.nodeid], []
         module = getattr(item, "module", None)
         spec = getattr(module, "__spec__", None)
         loader = getattr(spec, "loader", None) or getattr(module, "__loader__", None)
@@ -360,17 +377,21 @@ class _Guard:
             found.append("test module loaded by package code: " + item.nodeid)
         function, code = self.collected[item.nodeid]
         if function is None:
-            return found
+            return found, []
         now = getattr(item, "obj", None)
         if now is not function or _code_of(now) is not code:
-            return [*found, "test function replaced after collection: " + item.nodeid]
-        return found + self._as_written(item.nodeid, function)
+            return [*found, "test function replaced after collection: " + item.nodeid], []
+        problems, watch = self._as_written(item.nodeid, function)
+        return found + problems, watch
 
-    def _as_written(self, nodeid: str, function: Any) -> list[str]:
-        """The function pytest calls, unwrapped, is compiled from a test file as it is on
-        disk (read-only in the jail), with or without pytest's assertion rewriting."""
-        if self.repo.package_code(_code_of(function)):
-            return ["test function from package code: " + nodeid]
+    def _as_written(self, nodeid: str, function: Any) -> tuple[list[str], list[types.CodeType]]:
+        """The function pytest calls is compiled from a test file as it is on disk
+        (read-only in the jail), with or without pytest's assertion rewriting; or it wraps
+        such a function (a decorator: mock.patch, hypothesis's given), whose code is then
+        to be watched (returned) as the call runs."""
+        outer = _code_of(function)
+        if self.repo.package_code(outer):
+            return ["test function from package code: " + nodeid], []
         inner = function
         for _ in range(20):
             wrapped = getattr(inner, "__wrapped__", None)
@@ -379,14 +400,38 @@ class _Guard:
             inner = wrapped
         code = _code_of(inner)
         if code is None:
-            return []
+            return [], []
         path = _real(code.co_filename)
         if not (_inside(path, self.repo.root) and self.repo.test_side(path)):
-            return ["test function not defined in a test file: " + nodeid]
+            return ["test function not defined in a test file: " + nodeid], []
         written = self._compiled(path).get((code.co_name, code.co_firstlineno), [])
-        if not any(code == candidate for candidate in written):
-            return ["test function is not the code of its file: " + nodeid]
-        return []
+        if not written:
+            return ["test function is not the code of its file: " + nodeid], []
+        if inner is function and any(code == candidate for candidate in written):
+            return [], []  # pytest calls the file's own code
+        return [], written
+
+    def _watched(self, watch: list[types.CodeType]) -> Any:
+        """A trace function that counts, in its `completed`, the runs of `watch`'s code
+        that end by returning (not by an exception leaving the frame)."""
+        name = watch[0].co_name
+        completed = [0]
+        last: dict[int, str] = {}  # frame -> its last event
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if event == "return" and last.pop(id(frame), "") != "exception":
+                completed[0] += 1
+            elif event != "return":
+                last[id(frame)] = event
+            return local
+
+        def calls(frame: Any, event: str, arg: Any) -> Any:
+            if event == "call" and frame.f_code.co_name == name and frame.f_code in watch:
+                return local
+            return None
+
+        calls.completed = completed  # type: ignore[attr-defined]
+        return calls
 
     def _compiled(self, path: str) -> dict[tuple[str, int], list[types.CodeType]]:
         """(name, first line) -> the code objects a test file compiles to, as pytest's

@@ -541,3 +541,56 @@ async def test_subtests_count_and_a_failing_one_fails_its_test(
     broken = await score(settings, metadata, result={"patch": project.patch({"x.txt": "x\n"})})
     assert (broken.value, broken.flags) == (0.0, ()), broken.message
     assert "failed: tests/test_sub.py::AddTests::test_add_many" in broken.message
+
+
+DECORATED = """from functools import wraps
+from unittest import mock
+
+from hypothesis import given, settings, strategies as st
+
+from calc import add
+
+
+def twice(test):
+    @wraps(test)
+    def run(*args, **kwargs):
+        test(*args, **kwargs)
+        test(*args, **kwargs)
+
+    return run
+
+
+@settings(max_examples=25, database=None)
+@given(st.integers(), st.integers())
+def test_add_commutes(a, b):
+    assert add(a, b) == add(b, a)
+
+
+@twice
+def test_add_twice():
+    assert add(2, 3) == 5
+
+
+@mock.patch("os.getcwd", return_value="/elsewhere")
+def test_add_patched(getcwd):
+    assert add(1, 1) == 2
+"""
+
+
+async def test_tests_behind_decorators_are_judged_by_their_own_code(
+    tmp_path: Path, settings: config.TestsSettings
+) -> None:
+    """hypothesis's given, functools.wraps and mock.patch wrap the test pytest calls: the
+    guard watches the file's own test code run to its end through them, and flags none."""
+    repo = tmp_path / "decorated"
+    files = {"calc.py": CALC, "tests/test_deco.py": DECORATED}
+    project = Project(repo, make_repo(repo, files), tmp_path)
+    named = [
+        f"tests/test_deco.py::{n}"
+        for n in ("test_add_commutes", "test_add_twice", "test_add_patched")
+    ]
+    metadata = project.metadata(tests=named)
+    fixed = await score(settings, metadata, result={"patch": project.patch({"calc.py": FIXED})})
+    assert (fixed.value, fixed.flags) == (1.0, ()), fixed.message
+    broken = await score(settings, metadata, result={"patch": project.patch({"x.txt": "x\n"})})
+    assert (broken.value, broken.flags) == (0.0, ()), broken.message  # each fails: no flag
