@@ -17,14 +17,16 @@ test module, so before any code of the patch can run. It then:
   of each phase), `tamper` (what the checks found), `end` (the exit status), then closes
   the channel;
 - checks, after collection, before each test's call and at the end, that the runner is the
-  one it snapshotted; that no hook implementation, import hook, trace or profile function
-  comes from the repository's package code (test files, conftests and the task's plugin
-  modules may hold them); that the item about to run has no instance attribute shadowing
-  one of its class's methods; that the test function is the one collected, defined in a
-  test file at a `def` of its name.
+  one it snapshotted (pytest's own configure-time patches aside); that no hook
+  implementation, trace or profile function or builtin hook comes from the repository's
+  package code (test files, conftests and the task's plugin modules may hold them), nor
+  the loader of a test module; that the item about to run has no instance attribute shadowing
+  one of its class's methods; that the test function is the one collected, compiled
+  from its test file as that file is on disk (or, behind a decorator, that the file's own
+  code ran to its end during the call).
 
 Runs on the task's interpreter (Python 3.8 or later, pytest 7 or later) with the standard
-library only. It sees what the process sees: code of the patch running in this process can
+library (and pytest) only. It sees what the process sees: code of the patch running in this process can
 still defeat it by rewriting it in memory; the reward's cross-checks of the frames, the exit
 status and the collected set are what such code must then also get right.
 """
