@@ -26,9 +26,10 @@ test module, so before any code of the patch can run. It then:
   code ran to its end during the call).
 
 Runs on the task's interpreter (Python 3.8 or later, pytest 7 or later) with the standard
-library (and pytest) only. It sees what the process sees: code of the patch running in this process can
-still defeat it by rewriting it in memory; the reward's cross-checks of the frames, the exit
-status and the collected set are what such code must then also get right.
+library (and pytest) only. It sees what the process sees: code of the patch running in this
+process can still defeat it by driving or rewriting it in memory; the reward's cross-checks
+of the frames, the exit status and the collected set are what such code must then also get
+right.
 """
 
 from __future__ import annotations
