@@ -149,7 +149,8 @@ class _Snapshot:
     """The runner's functions and classes: what the checks hold it to."""
 
     def __init__(self) -> None:
-        self.entries: list[tuple[Any, str, Any, types.CodeType | None, str]] = []
+        self.entries: list[tuple[Any, str, Any, Any, types.CodeType | None, str]] = []
+        """(namespace, name, value, the function behind it, its code, where)"""
         self.classes: list[tuple[Any, frozenset[str], str]] = []
         self.take()
 
@@ -164,27 +165,35 @@ class _Snapshot:
             for name, value in list(space.items()):
                 if (modname, name) in _MUTABLE or not _suspicious(value):
                     continue
-                self.entries.append((space, name, value, _code_of(value), modname + "." + name))
+                self._add(space, name, value, modname + "." + name)
                 if isinstance(value, type) and getattr(value, "__module__", "") == modname:
                     self._add_class(value, modname + "." + name)
+
+    def _add(self, space: Any, name: str, value: Any, where: str) -> None:
+        function = _function_of(value)
+        code = getattr(function, "__code__", None)
+        self.entries.append((space, name, value, function, code, where))
 
     def _add_class(self, cls: type, where: str) -> None:
         space = cls.__dict__
         self.classes.append((space, frozenset(space), where))
         for name, value in list(space.items()):
             if _suspicious(value):
-                self.entries.append((space, name, value, _code_of(value), where + "." + name))
+                self._add(space, name, value, where + "." + name)
 
     def changed(self, allowed: Any = None) -> list[str]:
-        """What differs from the snapshot; `allowed(value)` excuses a new value."""
+        """What differs from the snapshot; `allowed(value)` excuses a new value. (Run
+        before every test: identity comparisons only, unless something differs.)"""
         found = []
-        for space, name, value, code, where in self.entries:
-            now = space.get(name, _MISSING)
-            if now is value and (code is None or _code_of(now) is code):
+        for space, name, value, function, code, where in self.entries:
+            if space.get(name, _MISSING) is value and (code is None or function.__code__ is code):
                 continue
+            now = space.get(name, _MISSING)
             if allowed is None or not allowed(now):
                 found.append("runner changed: " + where)
         for space, keys, where in self.classes:
+            if space.keys() == keys:
+                continue
             for name in set(space) - keys:
                 value = space[name]
                 if _suspicious(value) and (allowed is None or not allowed(value)):
