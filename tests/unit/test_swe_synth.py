@@ -15,13 +15,8 @@ import pytest
 import yaml
 
 from harnessrl.swe.projects import Project
-from harnessrl.swe.synth import (
-    SynthSettings,
-    code_files,
-    synthesize,
-    task_repository,
-    unified_patch,
-)
+from harnessrl.swe.repository import task_repository, unified_patch
+from harnessrl.swe.synth import SynthSettings, code_files, synthesize
 from harnessrl.swe.tasks import SweTask, parse_task, patch_paths, to_harnessrl
 from harnessrl.swe.validate import ValidateSettings, validate
 from harnessrl.tasks import TaskLine

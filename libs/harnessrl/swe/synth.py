@@ -47,14 +47,11 @@ checks the candidates that timed out again (the machine may have been busy).
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import heapq
 import queue
 import shutil
-import statistics
 import subprocess
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -68,10 +65,12 @@ import orjson
 
 from harnessrl.swe import deploy
 from harnessrl.swe import env as envs
-from harnessrl.swe.fetch import checkout, git
+from harnessrl.swe.baseline import Baseline, measure
+from harnessrl.swe.fetch import checkout
 from harnessrl.swe.holdback import choose, cut, function_of
 from harnessrl.swe.mutate import Mutation, mutations
 from harnessrl.swe.projects import Project
+from harnessrl.swe.repository import export, task_repository, unified_patch
 from harnessrl.swe.statement import Failure, problem_statement
 from harnessrl.swe.tasks import is_test_path
 
@@ -344,7 +343,7 @@ def _project(
         with clock("environment"):
             env = envs.environment(project, out / "envs")
     with clock("baseline"):
-        baseline = _baseline(project, pristine, env, settings, work / name)
+        baseline = measure(project, pristine, env, settings.runs, work / name)
     report.reliable, report.flaky = len(baseline.reliable), len(baseline.flaky)
     report.baseline_seconds = baseline.seconds
     with clock("candidates"):
@@ -410,7 +409,7 @@ def synthesize_one(
     settings = settings or SynthSettings()
     report = ProjectReport(project.requirement)
     name = f"{project.name}-{project.version}"
-    baseline = _baseline(project, pristine, env, settings, out / "work" / name)
+    baseline = measure(project, pristine, env, settings.runs, out / "work" / name)
     job = _job(
         project,
         pristine.resolve(),
@@ -427,7 +426,7 @@ def synthesize_one(
     copy = out / "work" / name / f"chosen-{key}"
     if copy.exists():
         shutil.rmtree(copy)
-    _export(pristine, copy)
+    export(pristine, copy)
     try:
         return job.check(Candidate(key, mutation), copy)
     finally:
@@ -455,7 +454,7 @@ def _check_all(
         copy = scratch / f"copy-{i}"
         if copy.exists():
             shutil.rmtree(copy)
-        _export(job.pristine, copy)
+        export(job.pristine, copy)
         copies.put(copy)
     write_lock = threading.Lock()
     report = job.report
@@ -488,75 +487,6 @@ def _check_all(
 def _count(report: ProjectReport, status: str) -> None:
     if status != "kept":
         report.dropped[status] += 1
-
-
-BASELINE_RECIPE = 2
-"""In baseline.json: a baseline measured by an older recipe (unguarded runs, no failing
-tests recorded) is measured again."""
-
-
-@dataclass(frozen=True, slots=True)
-class Baseline:
-    reliable: list[str]
-    """PASSED in every run."""
-    flaky: list[str]
-    """PASSED in some runs only."""
-    failing: list[str]
-    """FAILED or ERROR in some run."""
-    seconds: float
-    """Median run time."""
-
-
-def _baseline(
-    project: Project, pristine: Path, env: Path, settings: SynthSettings, scratch: Path
-) -> Baseline:
-    """The suite's baseline on the pristine tree, cached in scratch/baseline.json."""
-    cache = scratch / "baseline.json"
-    if cache.is_file():
-        data = orjson.loads(cache.read_bytes())
-        if data.get("runs") == settings.runs and data.get("recipe") == BASELINE_RECIPE:
-            return Baseline(data["reliable"], data["flaky"], data["failing"], data["seconds"])
-    scratch.mkdir(parents=True, exist_ok=True)
-    copy = scratch / "baseline-copy"
-    if copy.exists():
-        shutil.rmtree(copy)
-    _export(pristine, copy)
-    try:
-        command = envs.pytest_command(project, env)
-        runs = [
-            envs.run_command(command, copy, 1800.0, project.requirement, [project.tests])
-            for _ in range(max(1, settings.runs))
-        ]
-    finally:
-        shutil.rmtree(copy, ignore_errors=True)
-    if any(run.timed_out for run in runs):
-        raise envs.EnvError(f"{project.requirement}: the baseline run timed out")
-    problems = sorted({p for run in runs for p in run.problems})
-    if problems:
-        raise envs.EnvError(f"{project.requirement}: the guarded baseline run: {problems}")
-    passed = [run.passed for run in runs]
-    reliable = sorted(set.intersection(*passed))
-    if not reliable:
-        raise envs.EnvError(f"{project.requirement}: no test passes at baseline")
-    baseline = Baseline(
-        reliable,
-        sorted(set.union(*passed) - set(reliable)),
-        sorted({t for run in runs for t, o in run.outcomes.items() if o in ("FAILED", "ERROR")}),
-        statistics.median(run.seconds for run in runs),
-    )
-    cache.write_bytes(
-        orjson.dumps(
-            {
-                "runs": settings.runs,
-                "recipe": BASELINE_RECIPE,
-                "reliable": baseline.reliable,
-                "flaky": baseline.flaky,
-                "failing": baseline.failing,
-                "seconds": baseline.seconds,
-            }
-        )
-    )
-    return baseline
 
 
 def code_files(project: Project, repo: Path) -> list[str]:
@@ -650,100 +580,6 @@ def _gather(out: Path, projects: list[Project]) -> list[dict[str, Any]]:
             seen.add(record["instance_id"])
             unique.append(record)
     return unique
-
-
-def unified_patch(path: str, before: str, after: str) -> str:
-    """The change from `before` to `after` of the file at `path`, as `git diff` writes it
-    (`git apply` takes it)."""
-    lines = difflib.unified_diff(
-        before.splitlines(keepends=True),
-        after.splitlines(keepends=True),
-        f"a/{path}",
-        f"b/{path}",
-    )
-    body = []
-    for line in lines:
-        body.append(line)
-        if not line.endswith("\n"):
-            body.append("\n\\ No newline at end of file\n")
-    return f"diff --git a/{path} b/{path}\n" + "".join(body)
-
-
-def task_repository(pristine: Path, changes: dict[str, str], repo: Path) -> str:
-    """A bare repository at `repo` whose one commit is `pristine`'s HEAD tree with
-    `changes` (path -> new text) written over it; its commit id (the same tree gives the
-    same id: fixed author and date). Only the objects of that tree are in it."""
-    if repo.exists():
-        head = git(repo, "rev-parse", "--verify", "-q", "HEAD")
-        if head.returncode == 0 and _holds_changes(repo, pristine, changes):
-            return head.stdout.strip()
-        shutil.rmtree(repo)  # unfinished, or made with other changes (another hold-back)
-    repo.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=repo.parent))
-    building = Path(tempfile.mkdtemp(prefix=".building-", dir=repo.parent))
-    try:
-        _export(pristine, staging)
-        for path, text in changes.items():
-            (staging / path).write_bytes(text.encode("utf-8"))
-        git_dir = str(building)
-        for args in (
-            ("init", "-q", "--bare", git_dir),
-            ("--git-dir", git_dir, "--work-tree", str(staging), "add", "-A", "-f", "."),
-            ("--git-dir", git_dir, "--work-tree", str(staging), "commit", "-q", "-m", "import"),
-        ):
-            done = git(staging, *args)
-            if done.returncode != 0:
-                raise RuntimeError(f"git {' '.join(args[:3])}: {done.stderr.strip()}")
-        (building / "index").unlink(missing_ok=True)
-        for hook in (building / "hooks").glob("*"):
-            hook.unlink()
-        building.rename(repo)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.rmtree(building, ignore_errors=True)
-    head = git(repo, "rev-parse", "HEAD")
-    return head.stdout.strip()
-
-
-def _holds_changes(repo: Path, pristine: Path, changes: dict[str, str]) -> bool:
-    """Whether the repository's HEAD is `pristine`'s HEAD tree with exactly `changes`."""
-    ours, theirs = _tree(repo), _tree(pristine)
-    for path in ours.keys() | theirs.keys() | changes.keys():
-        if path not in changes:
-            if ours.get(path) != theirs.get(path):
-                return False
-            continue
-        held = subprocess.run(
-            ["git", "-C", str(repo), "cat-file", "blob", f"HEAD:{path}"],
-            capture_output=True,
-            check=False,
-        )
-        if held.returncode != 0 or held.stdout != changes[path].encode("utf-8"):
-            return False
-    return True
-
-
-def _tree(repo: Path) -> dict[str, str]:
-    """Path -> "mode blob" of every file of the repository's HEAD."""
-    listed = git(repo, "ls-tree", "-r", "-z", "HEAD")
-    files = {}
-    for entry in listed.stdout.split("\0"):
-        if entry:
-            meta, _, path = entry.partition("\t")
-            mode, _, blob = meta.split(" ")
-            files[path] = f"{mode} {blob}"
-    return files
-
-
-def _export(repo: Path, into: Path) -> None:
-    """`repo`'s HEAD tree (tracked files only) into `into`."""
-    into.mkdir(parents=True, exist_ok=True)
-    archive = subprocess.run(
-        ["git", "-C", str(repo), "archive", "--format=tar", "HEAD"],
-        capture_output=True,
-        check=True,
-    )
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
 
 
 class _Clock:
