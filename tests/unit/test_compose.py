@@ -20,13 +20,13 @@ import yaml
 from compose_spec import PyCompose
 from pydantic import BaseModel
 
+from harnessrl import registry
 from harnessrl.cli import build_parser
 from harnessrl.config import ServiceConfig, load_config
 from harnessrl.services.controller.config import ControllerConfig
 from harnessrl.services.gateway.config import GatewayConfig
 from harnessrl.services.inference.config import InferenceConfig, VllmSyncConfig
 from harnessrl.services.reward.config import RewardConfig
-from harnessrl.services.sample_builder.config import SampleBuilderConfig
 from harnessrl.services.trainer.config import TrainerConfig
 
 Obj = dict[str, Any]
@@ -43,17 +43,14 @@ SECRETS = {
 }
 
 # Compose service -> (its config class, its section): every harnessrl service of the stack,
-# named as its `harnessrl` subcommand.
+# named as its `harnessrl` subcommand, as the service registry has them (the broker is
+# Kafka's here), and the second gateway replica.
 SERVICES: dict[str, tuple[type[ServiceConfig], str]] = {
-    "controller": (ControllerConfig, "controller"),
-    "gateway": (GatewayConfig, "gateway"),
-    "gateway-1": (GatewayConfig, "gateway"),
-    "inference": (InferenceConfig, "inference"),
-    "reward": (RewardConfig, "reward"),
-    "sample-builder": (SampleBuilderConfig, "sample_builder"),
-    "trainer": (TrainerConfig, "trainer"),
-    "vllm-sync": (VllmSyncConfig, "vllm_sync"),
+    spec.name: (spec.config_class(), spec.section)
+    for spec in registry.SERVICES
+    if spec.name != "broker"
 }
+SERVICES["gateway-1"] = SERVICES["gateway"]
 PROFILED = {"vllm-sync": ["gpu"], "gateway-1": ["two-gateways"]}
 REPLICA_OF = {"gateway-1": "gateway"}
 """Services that are another replica of a harnessrl service (the command they run)."""

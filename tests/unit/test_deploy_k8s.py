@@ -26,15 +26,13 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from harnessrl import registry
 from harnessrl.cli import build_parser
 from harnessrl.config import PLACEHOLDER_PREFIX, ServiceConfig, load_config
 from harnessrl.services.controller.config import ControllerConfig, GatewayReplica
 from harnessrl.services.controller.kubernetes_job import JobTemplate
 from harnessrl.services.controller.runner import LaunchSpec
 from harnessrl.services.gateway.config import GatewayConfig
-from harnessrl.services.inference.config import InferenceConfig
-from harnessrl.services.reward.config import RewardConfig
-from harnessrl.services.sample_builder.config import SampleBuilderConfig
 from harnessrl.services.trainer.config import TrainerConfig
 
 pytestmark = pytest.mark.skipif(
@@ -67,14 +65,13 @@ CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResou
 STRIMZI_GROUP = "kafka.strimzi.io/"
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
 
-# The service each `harnessrl <command>` runs: its config class and its section in it.
+# The service each `harnessrl <command>` runs: its config class and its section in it, as
+# the service registry has them (the broker is Kafka's here, vllm-sync belongs to the GPU
+# deployments).
 SERVICES: dict[str, tuple[type[ServiceConfig], str]] = {
-    "controller": (ControllerConfig, "controller"),
-    "gateway": (GatewayConfig, "gateway"),
-    "inference": (InferenceConfig, "inference"),
-    "reward": (RewardConfig, "reward"),
-    "sample-builder": (SampleBuilderConfig, "sample_builder"),
-    "trainer": (TrainerConfig, "trainer"),
+    spec.name: (spec.config_class(), spec.section)
+    for spec in registry.SERVICES
+    if spec.name not in ("broker", "vllm-sync")
 }
 EXPECTED_WORKLOADS = {
     ("Deployment", "controller"),
@@ -85,6 +82,13 @@ EXPECTED_WORKLOADS = {
     ("StatefulSet", "gateway"),
 }
 PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
+
+
+def test_the_workloads_are_the_services_of_the_registry() -> None:
+    assert {name for _, name in EXPECTED_WORKLOADS} == set(SERVICES)
+    assert set(SERVICES) == {s.name for s in registry.started_by_up()} - {"broker"}
+
+
 RANK_PORT = 29500  # torchrun's rendezvous store on node rank 0 (--master-port)
 NCCL_PORT = 45000  # one of the ephemeral ports NCCL and gloo listen on
 # The controller's whole grant: (API group, resource, verb).

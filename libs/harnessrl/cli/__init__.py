@@ -7,13 +7,13 @@ only when it runs, so `harnessrl --help` never loads aiokafka, torch or OpenTele
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
-from harnessrl import __version__
+from harnessrl import __version__, registry
 from harnessrl.cli import (
     bench,
-    broker,
     chaos,
     config_cmd,
     doctor,
@@ -26,21 +26,8 @@ from harnessrl.cli import (
     up,
 )
 from harnessrl.cli.common import CliError
-from harnessrl.services.controller import cli as controller
-from harnessrl.services.gateway import cli as gateway
-from harnessrl.services.inference import cli as inference
-from harnessrl.services.reward import cli as reward
-from harnessrl.services.sample_builder import cli as sample_builder
-from harnessrl.services.trainer import cli as trainer
 
-_COMMANDS = (
-    broker,
-    inference,
-    gateway,
-    controller,
-    reward,
-    sample_builder,
-    trainer,
+_TOOLS = (
     submit,
     events_cmd,
     config_cmd,
@@ -62,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"harnessrl {__version__}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for module in _COMMANDS:
+    for name in registry.command_modules():  # the services, as the registry lists them
+        importlib.import_module(name).register(commands)
+    for module in _TOOLS:
         module.register(commands)
     return parser
 

@@ -7,18 +7,10 @@ import importlib
 import sys
 from typing import Any
 
+from harnessrl import registry
 from harnessrl.cli.common import add_config_option, load
 
-SERVICES = {
-    "broker": "harnessrl.broker:BrokerConfig",
-    "controller": "harnessrl.services.controller.config:ControllerConfig",
-    "gateway": "harnessrl.services.gateway.config:GatewayConfig",
-    "inference": "harnessrl.services.inference.config:InferenceConfig",
-    "reward": "harnessrl.services.reward.config:RewardConfig",
-    "sample-builder": "harnessrl.services.sample_builder.config:SampleBuilderConfig",
-    "trainer": "harnessrl.services.trainer.config:TrainerConfig",
-    "vllm-sync": "harnessrl.services.inference.config:VllmSyncConfig",
-}
+SERVICES = {spec.name: spec.config for spec in registry.SERVICES}
 """Service name -> "module:ConfigClass" (imported only when shown)."""
 
 

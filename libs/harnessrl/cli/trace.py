@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harnessrl.cli.common import CliError
+from harnessrl.registry import BY_NAME
 
 if TYPE_CHECKING:
     from harnessrl.telemetry.tracetree import Span
@@ -20,8 +21,8 @@ DEFAULT_SPANS = Path(".harnessrl/traces.jsonl")
 default), and where `harnessrl up`'s local OTLP receiver is to store them."""
 
 # Service names as the services' tracer providers set them (`harnessrl-<service>`).
-_CONTROLLER, _GATEWAY = "harnessrl-controller", "harnessrl-gateway"
-_SAMPLE_BUILDER, _TRAINER = "harnessrl-sample-builder", "harnessrl-trainer"
+_CONTROLLER, _GATEWAY = BY_NAME["controller"].tracer_name, BY_NAME["gateway"].tracer_name
+_SAMPLE_BUILDER, _TRAINER = BY_NAME["sample-builder"].tracer_name, BY_NAME["trainer"].tracer_name
 _STEP_WINDOW_US = 3600 * 1_000_000  # steps are searched for up to 1 h after the group
 _LOOKBACK_US = 7 * 24 * 3600 * 1_000_000
 

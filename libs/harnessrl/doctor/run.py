@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from harnessrl import registry
 from harnessrl.doctor.collect import DoctorError, collect
 from harnessrl.tasks import TaskLine
 from harnessrl.up.client import StackError, stack_for
@@ -52,7 +53,7 @@ async def run_doctor(options: Options, progress: IO[str]) -> dict[str, Any]:
         log_path=options.out / "up.log",
         progress=progress,
         env=STACK_ENV,
-        without=("trainer", "sample-builder"),
+        without=tuple(sorted(registry.optional())),
         ready_timeout_s=options.ready_timeout_s,
     )
     try:

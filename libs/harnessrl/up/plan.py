@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harnessrl import registry
 from harnessrl.broker import free_ports
 from harnessrl.config import load_config
 from harnessrl.up.stackfile import GatewayAccess
@@ -139,18 +140,10 @@ def build_plan(
     )
 
 
-_SERVICES = {
-    "broker": "BROKER",
-    "inference": "INFERENCE",
-    "gateway": "GATEWAY",
-    "reward": "REWARD",
-    "sample-builder": "SAMPLE_BUILDER",
-    "trainer": "TRAINER",
-    "controller": "CONTROLLER",
-}
+_SERVICES = {spec.name: spec.env_section for spec in registry.started_by_up()}
 """Service (CLI command) -> its config section's environment name, in start order."""
 
-OPTIONAL = frozenset({"trainer", "sample-builder"})
+OPTIONAL = registry.optional()
 """Services a stack can run without: episodes are still run, captured and rewarded."""
 
 
