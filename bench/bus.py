@@ -277,7 +277,7 @@ async def _measure(
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     from harnessrl.broker import EmbeddedBroker
     from harnessrl.bus import ensure_topics
-    from harnessrl.cli.common import load
+    from harnessrl.command import load
     from harnessrl.config import ServiceConfig
 
     def log(line: str) -> None:

@@ -124,7 +124,7 @@ def serve(port: int) -> None:
     """Serve on 127.0.0.1:`port` until terminated (the entry point of its own process).
     Ctrl-C is left to the parent, which terminates it after its last call."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from harnessrl.bench.gateway import run_loop
+    from harnessrl.bench.load_driver import run_loop
     from harnessrl.http import HttpServer, Request, Response, json_error
 
     json = ("content-type", "application/json")

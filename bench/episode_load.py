@@ -23,7 +23,7 @@ from typing import Any
 
 import openai
 
-from harnessrl.cli.common import Progress
+from harnessrl.command import Progress
 from harnessrl.episode_token import EpisodeClaims, mint
 from harnessrl.services.controller.gateway_admin import Gateways
 

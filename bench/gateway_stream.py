@@ -31,8 +31,8 @@ from typing import Any
 
 import orjson
 
-from harnessrl.bench.gateway import _measure as load
-from harnessrl.bench.gateway import run_loop
+from harnessrl.bench.load_driver import measure as load
+from harnessrl.bench.load_driver import run_loop
 
 PROMPT_IDS = list(range(1000, 2000))
 GAP_S = 0.001
@@ -65,10 +65,10 @@ def _chunk(index: int, token: int | None, *, finish: str | None = None) -> bytes
 
 def standin(port: int) -> None:
     """The stand-in engine (a child process): streams of `max_tokens` chunks, paced."""
-    from harnessrl.bench.gateway import _canned
+    from harnessrl.bench.load_driver import canned
     from harnessrl.http import HttpServer, Response, StreamingResponse
 
-    answer = _canned()
+    answer = canned()
     models = orjson.dumps({"object": "list", "data": [{"id": "bench", "object": "model"}]})
     first = _chunk(0, None)
     tokens = [_chunk(1, 100 + i % 64) for i in range(64)]

@@ -36,7 +36,7 @@ SAMPLE_S = 0.02  # RSS sampling period during an attack
 
 
 def _rss_mb(pid: int) -> float:
-    from harnessrl.bench.gateway import rss_mb
+    from harnessrl.bench.load_driver import rss_mb
 
     return rss_mb(pid)
 

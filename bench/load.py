@@ -62,7 +62,7 @@ class Usage:
     @classmethod
     def of(cls, pid: int) -> Usage | None:
         """Read from /proc (Linux); None when the process is gone."""
-        from harnessrl.bench.gateway import rss_mb
+        from harnessrl.bench.load_driver import rss_mb
 
         try:
             stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -151,7 +151,7 @@ async def _stop(process: asyncio.subprocess.Process) -> None:
 async def _main(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     """Start the broker, the stand-in and the gateways, run both phases, stop them all."""
     from harnessrl.bench import calculator_standin
-    from harnessrl.bench.gateway import wait_http
+    from harnessrl.bench.load_driver import wait_http
     from harnessrl.broker import EmbeddedBroker, free_ports
     from harnessrl.services.controller.config import GatewayReplica
 

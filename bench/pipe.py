@@ -78,7 +78,7 @@ class _Downstream(_Side):
 
 def pipe(port: int, upstream_port: int) -> None:
     """The pipe (a child process): 127.0.0.1:`port` joined to 127.0.0.1:`upstream_port`."""
-    from harnessrl.bench.gateway import run_loop
+    from harnessrl.bench.load_driver import run_loop
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

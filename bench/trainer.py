@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
-from harnessrl.cli.common import CliError
+from harnessrl.command import CliError
 
 if TYPE_CHECKING:
     import torch

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from harnessrl.cli.common import CliError
+from harnessrl.command import CliError
 
 
 def main(args: argparse.Namespace) -> int:

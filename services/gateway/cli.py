@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from harnessrl.cli.common import CliError, add_kafka_options, load
+from harnessrl.command import CliError, add_kafka_options, load
 
 
 def register(commands: Any) -> None:

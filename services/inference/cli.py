@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harnessrl.cli.common import CliError, add_kafka_options, load
+from harnessrl.command import CliError, add_kafka_options, load
 
 
 def register(commands: Any) -> None:

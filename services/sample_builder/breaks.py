@@ -10,15 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
+from harnessrl.services.sample_builder.calls import Call, Decode, Ids, Mask
 from harnessrl.services.sample_builder.tree import Node, ids_of
-
-if TYPE_CHECKING:
-    from harnessrl.services.sample_builder.merging import Call, Decode, Ids, Mask
 
 
 class BreakKind(StrEnum):

@@ -7,12 +7,10 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from harnessrl.services.sample_builder.merging import Call, Ids
+from harnessrl.services.sample_builder.calls import Call, Ids
 
 
 class Dropped(StrEnum):

@@ -13,7 +13,7 @@ import signal
 import sys
 from typing import Any
 
-from harnessrl.cli.common import CliError, add_config_option, add_kafka_options, load
+from harnessrl.command import CliError, add_config_option, add_kafka_options, load
 
 
 def register(commands: Any) -> None:

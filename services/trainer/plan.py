@@ -149,7 +149,7 @@ def plan(
     import torch
 
     from harnessrl.services.trainer.lora import base_dtype
-    from harnessrl.services.trainer.policy import compute_dtype
+    from harnessrl.services.trainer.precision import compute_dtype
 
     shape = model_shape(config_or_model_dir, settings.lora)
     sharded = world_size > 1 and settings.sharding.strategy == "fsdp"

@@ -43,6 +43,7 @@ from harnessrl.services.trainer.packing import (
     padding_fraction,
 )
 from harnessrl.services.trainer.plan import check_fits
+from harnessrl.services.trainer.precision import compute_dtype
 from harnessrl.services.trainer.sharding import full, is_sharded, shard
 
 log = get_logger(__name__)
@@ -251,14 +252,6 @@ class Policy:
 
 
 _COMMANDS = frozenset({"step", "gather", "save_tensors", "load_tensors"})
-
-
-def compute_dtype(settings: TrainerSection, device: torch.device) -> torch.dtype:
-    """What the forward runs in: bf16 for dtype bfloat16, or auto on CUDA; else float32."""
-    dtype = settings.dtype
-    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return torch.float32
 
 
 def idle(batch: MicroBatch) -> MicroBatch:

@@ -80,7 +80,7 @@ def test_submit_refuses_a_bad_file_before_connecting(tmp_path: Path) -> None:
 def test_progress_off_a_terminal_is_a_few_lines_and_a_final_one() -> None:
     import io
 
-    from harnessrl.cli.common import Progress
+    from harnessrl.command import Progress
 
     stream = io.StringIO()
     progress = Progress("submit", 1000, stream)

@@ -28,7 +28,7 @@ from typing import IO, Any
 from harnessrl.chaos import KILLABLE
 from harnessrl.chaos.reconcile import Books, reconcile
 from harnessrl.chaos.stack import ChaosStack
-from harnessrl.cli.common import Progress
+from harnessrl.command import Progress
 from harnessrl.experiment.bus import task_bus
 from harnessrl.experiment.ledger import TRAIN, Ledger
 from harnessrl.logs import get_logger

@@ -25,7 +25,7 @@ from harnessrl.cli import (
     trace,
     up,
 )
-from harnessrl.cli.common import CliError
+from harnessrl.command import CliError
 
 _TOOLS = (
     submit,

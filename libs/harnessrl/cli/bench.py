@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from harnessrl.cli.common import add_kafka_options
+from harnessrl.command import add_kafka_options
 
 
 def register(commands: Any) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from harnessrl.cli.common import add_config_option, load
+from harnessrl.command import add_config_option, load
 
 
 def register(commands: Any) -> None:

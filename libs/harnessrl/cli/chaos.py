@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.chaos import KILLABLE
-from harnessrl.cli.common import CliError, read_tasks
+from harnessrl.command import CliError, read_tasks
 
 DEMO_CONFIG = Path("examples/calculator/demo.yaml")
 DEMO_TASKS = Path("examples/calculator/tasks.py")

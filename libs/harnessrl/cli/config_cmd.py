@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from harnessrl import registry
-from harnessrl.cli.common import add_config_option, load
+from harnessrl.command import add_config_option, load
 
 SERVICES = {spec.name: spec.config for spec in registry.SERVICES}
 """Service name -> "module:ConfigClass" (imported only when shown)."""

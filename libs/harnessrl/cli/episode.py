@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from harnessrl.cli.common import CliError
+from harnessrl.command import CliError
 from harnessrl.up.stackfile import DEFAULT_WORKDIR, MANUAL_EPISODES_FILE, STACK_FILE
 
 if TYPE_CHECKING:

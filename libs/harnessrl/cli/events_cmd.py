@@ -8,7 +8,7 @@ import base64
 import sys
 from typing import Any
 
-from harnessrl.cli.common import CliError, add_kafka_options, load
+from harnessrl.command import CliError, add_kafka_options, load
 
 
 def register(commands: Any) -> None:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harnessrl.cli.common import CliError, add_config_option, read_tasks
+from harnessrl.command import CliError, add_config_option, read_tasks
 
 
 def register(commands: Any) -> None:

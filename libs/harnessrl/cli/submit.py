@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from harnessrl.cli.common import CliError, Progress, add_kafka_options, load, read_tasks
+from harnessrl.command import CliError, Progress, add_kafka_options, load, read_tasks
 
 
 def register(commands: Any) -> None:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harnessrl.cli.common import CliError, Progress
+from harnessrl.command import CliError, Progress
 
 if TYPE_CHECKING:
     from harnessrl.swe.tasks import SweTask

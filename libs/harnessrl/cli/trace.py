@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harnessrl.cli.common import CliError
+from harnessrl.command import CliError
 from harnessrl.registry import BY_NAME
 
 if TYPE_CHECKING:

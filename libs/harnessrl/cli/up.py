@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harnessrl.cli.common import CliError, add_config_option
+from harnessrl.command import CliError, add_config_option
 from harnessrl.up.stackfile import DEFAULT_WORKDIR, STACK_FILE
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from harnessrl.cli.common import Progress
+from harnessrl.command import Progress
 from harnessrl.logs import get_logger
 from harnessrl.tasks import TaskLine
 from harnessrl.up.client import Stack

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from harnessrl.cli.common import Progress
+from harnessrl.command import Progress
 from harnessrl.experiment.bus import task_bus
 from harnessrl.experiment.ledger import TRAIN, VAL_AFTER, VAL_BEFORE, Ledger
 from harnessrl.experiment.scrape import scrape

@@ -1,4 +1,6 @@
-"""Options and helpers shared by the sub-commands."""
+"""What every `harnessrl` subcommand shares, the services' own and the tools': its error
+type, the --config and Kafka options, settings loaded from them, a task file read, a
+progress line."""
 
 from __future__ import annotations
 
