@@ -68,7 +68,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-class _Run:
+class _BusRun:
     """Send and receive times by event index, for one measurement."""
 
     def __init__(self, n: int) -> None:
@@ -111,7 +111,7 @@ async def _group_at_end(kafka: Any, group: str) -> None:
         await client.stop()
 
 
-async def _send_all(run: _Run, count: int, paced: bool, send: Callable[[int], Any]) -> None:
+async def _send_all(run: _BusRun, count: int, paced: bool, send: Callable[[int], Any]) -> None:
     start = time.perf_counter()
     for i in range(count):
         if paced:
@@ -124,13 +124,15 @@ async def _send_all(run: _Run, count: int, paced: bool, send: Callable[[int], An
             await asyncio.sleep(0)  # let consumers and pumps run, as a service's loop would
 
 
-async def _bus(kafka: Any, spill: Path, calls: list[pb.ModelCall], tag: str, paced: bool) -> _Run:
+async def _bus(
+    kafka: Any, spill: Path, calls: list[pb.ModelCall], tag: str, paced: bool
+) -> _BusRun:
     from harnessrl.bus import Consumer, Producer
     from harnessrl.config import ConsumerSettings, ProducerSettings
 
     group = f"bench-bus-{tag}"
     await _group_at_end(kafka, group)
-    run = _Run(len(calls))
+    run = _BusRun(len(calls))
     producer = Producer(kafka, ProducerSettings(spill_dir=spill), name=f"bench/{tag}")
     await producer.start()
 
@@ -163,7 +165,7 @@ async def _bus(kafka: Any, spill: Path, calls: list[pb.ModelCall], tag: str, pac
 
 async def _raw(
     kafka: Any, calls: list[pb.ModelCall], tag: str, paced: bool, protobuf: bool
-) -> _Run:
+) -> _BusRun:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
     from harnessrl.bus import client_kwargs
@@ -171,7 +173,7 @@ async def _raw(
 
     group = f"bench-raw-{tag}"
     await _group_at_end(kafka, group)
-    run = _Run(len(calls))
+    run = _BusRun(len(calls))
     envelopes = [events.wrap(c, producer="bench/raw") for c in calls]
     keys = [events.event_key(c).encode() for c in calls]
     payloads = [e.SerializeToString() for e in envelopes]
@@ -228,7 +230,9 @@ async def _raw(
     return run
 
 
-async def _round(kafka: Any, tmp: Path, path: str, calls: list[pb.ModelCall], paced: bool) -> _Run:
+async def _round(
+    kafka: Any, tmp: Path, path: str, calls: list[pb.ModelCall], paced: bool
+) -> _BusRun:
     tag = f"{path}-{time.time_ns()}"
     if path == "bus":
         return await _bus(kafka, tmp / tag, calls, tag, paced)

@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Hashable
 
 
-class Admission:
+class EpisodeAdmission:
     def __init__(
         self, *, max_in_flight: int, sync: bool, max_staleness: int, engines: int, version: int = 0
     ) -> None:

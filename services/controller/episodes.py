@@ -19,10 +19,10 @@ from opentelemetry.trace import SpanKind
 from harnessrl.bus import Producer
 from harnessrl.episode_token import EpisodeClaims, harness_env, mint
 from harnessrl.logs import get_logger
-from harnessrl.services.controller.admission import Admission
+from harnessrl.services.controller.admission import EpisodeAdmission
 from harnessrl.services.controller.config import ControllerSection, HarnessSpec
 from harnessrl.services.controller.gateway_admin import Gateways
-from harnessrl.services.controller.lifecycle import Attempt, EpisodeRecord, Phase, judge
+from harnessrl.services.controller.lifecycle import AttemptState, EpisodeRecord, Phase, judge
 from harnessrl.services.controller.runner import LaunchError, LaunchSpec, Run, Runner, RunResult
 from harnessrl.telemetry import inject_headers, span_ids
 from harnessrl.v1 import events_pb2 as pb
@@ -57,7 +57,7 @@ class EpisodeRunner:
         *,
         runner: Runner,
         producer: Producer,
-        admission: Admission,
+        admission: EpisodeAdmission,
         gateways: Gateways,
         tracer: trace.Tracer,
         recovered: dict[tuple[str, int], Run],
@@ -131,7 +131,7 @@ class EpisodeRunner:
         """One attempt; True when the episode should be tried again."""
         key = (job.episode_id, attempt)
         version = await self.admission.acquire(key)
-        state = Attempt(job.episode_id, attempt)
+        state = AttemptState(job.episode_id, attempt)
         try:
             with self.tracer.start_as_current_span(f"attempt {attempt}", kind=SpanKind.INTERNAL):
                 env, started = self._environment(job, attempt), time.time()

@@ -2,7 +2,7 @@
 
 An episode attempt moves PENDING -> RUNNING -> CLOSING -> FINISHED, and `advance()` is the
 one place that checks a move is allowed. When a run ends, `judge()` decides the episode
-status and whether the episode gets another attempt. The `Ledger` is what the topic
+status and whether the episode gets another attempt. The `EpisodeLedger` is what the topic
 hrl.episodes says was started and finished, so a restarted controller resumes groups where
 its predecessor left them.
 """
@@ -36,7 +36,7 @@ class IllegalTransition(RuntimeError):
 
 
 @dataclass
-class Attempt:
+class AttemptState:
     episode_id: str
     attempt: int
     phase: Phase = Phase.PENDING
@@ -103,7 +103,7 @@ class EpisodeRecord:
         return None
 
 
-class Ledger:
+class EpisodeLedger:
     """Episodes as hrl.episodes records them, by group; fed in topic order."""
 
     def __init__(self) -> None:

@@ -40,7 +40,7 @@ _RESET = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT, signal.
 class _Link:
     """One relayed connection: the harness's TCP socket and the gateway's unix socket."""
 
-    def __init__(self, relay: _Relay, tcp: socket.socket, unix: socket.socket) -> None:
+    def __init__(self, relay: _GatewayListener, tcp: socket.socket, unix: socket.socket) -> None:
         self.relay = relay
         self.peer = {tcp: unix, unix: tcp}
         self.pending = {tcp: b"", unix: b""}
@@ -102,7 +102,7 @@ class _Link:
         self.relay.links.discard(self)
 
 
-class _Relay:
+class _GatewayListener:
     """The loop of pid 1: relayed connections, the control socket, child exits."""
 
     def __init__(self, config: dict[str, Any], control: socket.socket) -> None:
@@ -256,7 +256,7 @@ def main(argv: list[str]) -> None:
     config = json.loads(argv[1])
     control = socket.socket(fileno=config["control_fd"])
     try:
-        relay = _Relay(config, control)
+        relay = _GatewayListener(config, control)
         _make_home(config["home"], config["uid"])
         if config["uid"] is not None:
             _drop_privileges(config["uid"])

@@ -32,11 +32,11 @@ from harnessrl.logs import get_logger
 from harnessrl.metrics import Labelled
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
-from harnessrl.services.controller.admission import Admission
+from harnessrl.services.controller.admission import EpisodeAdmission
 from harnessrl.services.controller.config import MAX_GROUP_SIZE, ControllerConfig, HarnessSpec
 from harnessrl.services.controller.episodes import EpisodeRunner, EpisodeTask
 from harnessrl.services.controller.gateway_admin import Gateways
-from harnessrl.services.controller.lifecycle import Ledger
+from harnessrl.services.controller.lifecycle import EpisodeLedger
 from harnessrl.services.controller.runner import Runner
 from harnessrl.v1 import events_pb2 as pb
 
@@ -79,12 +79,12 @@ class ControllerService:
         self._runtime = runtime
         self._stopping = asyncio.Event()
         self._groups: dict[str, list[asyncio.Task[None]]] = {}
-        self._ledger = Ledger()
+        self._ledger = EpisodeLedger()
         self._episodes: EpisodeRunner | None = None
         self._producer: Producer | None = None
         self.metrics = ControllerMetrics(runtime.registry)
         self.ready = asyncio.Event()
-        self.admission: Admission | None = None
+        self.admission: EpisodeAdmission | None = None
         """Versions announced and served, slots in use (set once running)."""
 
     async def run(self) -> None:
@@ -107,7 +107,7 @@ class ControllerService:
             await runner.start()
             stack.push_async_callback(runner.stop)
             recovered = {(r.episode_id, r.attempt): r for r in await runner.recover()}
-            admission = self.admission = Admission(
+            admission = self.admission = EpisodeAdmission(
                 max_in_flight=section.max_in_flight,
                 sync=section.schedule == "sync",
                 max_staleness=section.max_staleness,
@@ -165,7 +165,11 @@ class ControllerService:
         return local_runner(section)
 
     async def _consume(
-        self, stack: AsyncExitStack, producer: Producer, metrics: BusMetrics, admission: Admission
+        self,
+        stack: AsyncExitStack,
+        producer: Producer,
+        metrics: BusMetrics,
+        admission: EpisodeAdmission,
     ) -> None:
         config = self._config
         tracer = self._runtime.tracer_provider.get_tracer("harnessrl.controller")
@@ -253,7 +257,7 @@ class ControllerService:
             raise PermanentError(f"TaskSubmitted.group_size: {task.group_size} > {MAX_GROUP_SIZE}")
         return harness, task.group_size or section.group_size
 
-    async def _on_policy(self, record: Record, admission: Admission) -> None:
+    async def _on_policy(self, record: Record, admission: EpisodeAdmission) -> None:
         if record.kind == "policy_version":
             event: Any = record.event
             await admission.announced_version(event.version)
@@ -262,7 +266,7 @@ class ControllerService:
             if await admission.loaded(event.version, event.engine):
                 await self._end_stale(admission)
 
-    async def _end_stale(self, admission: Admission) -> None:
+    async def _end_stale(self, admission: EpisodeAdmission) -> None:
         assert self._episodes is not None
         for key in admission.stale():
             run = self._episodes.runs.get(key)  # type: ignore[call-overload]

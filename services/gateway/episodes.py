@@ -28,7 +28,7 @@ class EpisodeClosedError(Exception):
 
 
 @dataclass(eq=False)
-class Episode:
+class OpenEpisode:
     claims: EpisodeClaims
     calls: int = 0
     in_flight: int = 0
@@ -60,7 +60,7 @@ class EpisodeBook:
     """Open (and recently closed) episodes of this replica. Use from one event loop."""
 
     def __init__(self) -> None:
-        self._episodes: dict[Key, Episode] = {}
+        self._episodes: dict[Key, OpenEpisode] = {}
         self._restored: dict[Key, Restored] = {}
         self._ready = asyncio.Event()
         self._ready.set()
@@ -89,11 +89,11 @@ class EpisodeBook:
         self._restored.update(state)
         self._ready.set()
 
-    def _episode(self, claims: EpisodeClaims) -> Episode:
+    def _episode(self, claims: EpisodeClaims) -> OpenEpisode:
         key = (claims.episode_id, claims.attempt)
         episode = self._episodes.get(key)
         if episode is None:
-            episode = self._episodes[key] = Episode(claims)
+            episode = self._episodes[key] = OpenEpisode(claims)
             restored = self._restored.pop(key, None)
             if restored is not None:
                 episode.calls = restored.calls
@@ -101,7 +101,7 @@ class EpisodeBook:
                 episode.closed_count = restored.closed_count
         return episode
 
-    def begin(self, claims: EpisodeClaims) -> Episode:
+    def begin(self, claims: EpisodeClaims) -> OpenEpisode:
         """Account for a new call; raises EpisodeClosedError if the episode is closed."""
         episode = self._episode(claims)
         if episode.closed:
@@ -114,7 +114,7 @@ class EpisodeBook:
         self._idle.clear()
         return episode
 
-    def end(self, episode: Episode) -> None:
+    def end(self, episode: OpenEpisode) -> None:
         """The call (successful or not) is over."""
         episode.in_flight -= 1
         if episode.in_flight == 0:
@@ -123,7 +123,7 @@ class EpisodeBook:
         if self._in_flight == 0:
             self._idle.set()
 
-    async def close(self, claims: EpisodeClaims) -> Episode:
+    async def close(self, claims: EpisodeClaims) -> OpenEpisode:
         """Refuse further calls, wait for those in flight and for every ModelCall's
         acknowledgement. Idempotent. Raises what a refused delivery raised."""
         await self._ready.wait()

@@ -46,7 +46,7 @@ from harnessrl.services.gateway.contract import (
 from harnessrl.services.gateway.control import Gate
 from harnessrl.services.gateway.dialects.base import Dialect, EngineCall
 from harnessrl.services.gateway.engines import EnginePool
-from harnessrl.services.gateway.episodes import Episode, EpisodeBook
+from harnessrl.services.gateway.episodes import EpisodeBook, OpenEpisode
 from harnessrl.services.gateway.errors import render_engine, respond
 from harnessrl.services.gateway.metrics import GatewayMetrics
 from harnessrl.services.gateway.versions import EngineVersions
@@ -57,7 +57,7 @@ log = get_logger(__name__)
 SSE_HEADERS = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
 
 
-class Admission:
+class CallAdmission:
     """What a call passes before it reaches an engine: the gateway's gates and its book."""
 
     def __init__(self, book: EpisodeBook, gate: Gate, recovery: Gate | None = None) -> None:
@@ -66,7 +66,7 @@ class Admission:
         self.recovery = recovery
         """Closed while the gateway rebuilds its episodes from hrl.calls after a start."""
 
-    async def enter(self, claims: EpisodeClaims) -> Episode:
+    async def enter(self, claims: EpisodeClaims) -> OpenEpisode:
         """Wait for the gates; raises Paused past their hold, EpisodeClosedError for a
         closed episode."""
         if self.recovery is not None:
@@ -92,7 +92,7 @@ class Lifecycle:
         self,
         settings: GatewaySection,
         *,
-        admission: Admission,
+        admission: CallAdmission,
         engines: Engines,
         budget: Budget,
         producer: Producer,
@@ -114,7 +114,7 @@ class Lifecycle:
         EpisodeClosedError, UpstreamError (no engine answered): the caller renders them
         in the dialect's shape."""
         call = dialect.translate(body, claims)
-        run = _Run(self, dialect, claims, call, request)
+        run = _CallRun(self, dialect, claims, call, request)
         await run.start()
         try:
             if call.stream:
@@ -127,7 +127,7 @@ class Lifecycle:
         return answer
 
 
-class _Relay:
+class _StreamRelay:
     """The harness's stream: `chunks`, and `over` run when it is closed even if it never
     started (an async generator closed before its first step skips its `finally`: a
     harness that left while the engine's stream opened would hold its episode open)."""
@@ -140,7 +140,7 @@ class _Relay:
         self._chunks = chunks
         self._over = over
 
-    def __aiter__(self) -> _Relay:
+    def __aiter__(self) -> _StreamRelay:
         return self
 
     async def __anext__(self) -> bytes:
@@ -151,7 +151,7 @@ class _Relay:
         await self._over()
 
 
-class _Run:
+class _CallRun:
     """The state of one call between admission and its end."""
 
     def __init__(
@@ -171,7 +171,7 @@ class _Run:
         settings = life.settings
         overrides = settings.train if claims.mode == "train" else settings.val
         self._upstream = engine_request(call.body, call.path, life.engines.model, overrides)
-        self._episode: Episode | None = None
+        self._episode: OpenEpisode | None = None
         self._span: trace.Span | None = None
         self._token: object = None
         self._started = time.perf_counter()
@@ -274,7 +274,7 @@ class _Run:
         except BaseException:
             await stack.aclose()
             raise
-        relay = _Relay(self._relay(stack, engine, response), lambda: self._over(stack))
+        relay = _StreamRelay(self._relay(stack, engine, response), lambda: self._over(stack))
         return StreamingResponse(200, list(SSE_HEADERS), relay)
 
     async def _relay(

@@ -26,7 +26,7 @@ from harnessrl.services.gateway.dialects.responses_store import ResponseStore
 from harnessrl.services.gateway.engines import EnginePool
 from harnessrl.services.gateway.episodes import EpisodeBook
 from harnessrl.services.gateway.errors import ANTHROPIC, OPENAI, GatewayError, render
-from harnessrl.services.gateway.lifecycle import Admission, Engines, Lifecycle
+from harnessrl.services.gateway.lifecycle import CallAdmission, Engines, Lifecycle
 from harnessrl.services.gateway.metrics import GatewayMetrics, ServerBudgets
 from harnessrl.services.gateway.models import Models
 from harnessrl.services.gateway.recovery import recover
@@ -114,7 +114,7 @@ class GatewayService:
                 context = context_of(orjson.dumps(listing))
             lifecycle = Lifecycle(
                 section,
-                admission=Admission(self.book, self.gate, self.recovery),
+                admission=CallAdmission(self.book, self.gate, self.recovery),
                 engines=Engines(pool, model=engine_model, versions=self.versions),
                 budget=Budget(
                     pool, policy=section.max_tokens_policy, context=context, metrics=metrics

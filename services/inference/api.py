@@ -27,8 +27,7 @@ from starlette.exceptions import HTTPException
 
 from harnessrl.health import health_body
 from harnessrl.services.inference.codec import TextCodec
-from harnessrl.services.inference.engine import Engine, Token
-from harnessrl.services.inference.engine import Request as EngineRequest
+from harnessrl.services.inference.engine import Engine, EngineRequest, Token
 from harnessrl.services.inference.errors import (
     api_error_response,
     http_error_response,

@@ -6,7 +6,7 @@ arrived since the last step and merge them into the running batch, then decode o
 for every row. A request that arrives while a batch decodes therefore joins at the next step.
 
 A step that raises (a device error, an out-of-memory, a bug a request's input reaches) fails
-the requests of that step's batch, each with the error (`Request.error`), throws the batch's
+the requests of that step's batch, each with the error (`EngineRequest.error`), throws the batch's
 KV cache away, and the loop goes on with the requests still waiting: one bad step never
 takes the engine down with it, nor leaves the requests in it waiting forever.
 
@@ -50,7 +50,7 @@ class Token:
 
 
 @dataclass(eq=False)
-class Request:
+class EngineRequest:
     """A request inside the engine. `tokens` receives each Token, then None at the end."""
 
     id: str
@@ -138,8 +138,8 @@ class Engine:
         self._decode = decode
         self._metrics = EngineMetrics(registry)
         self._metrics.version.set(version)
-        self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []
+        self._waiting: deque[EngineRequest] = deque()
+        self._running: list[EngineRequest] = []
         self._batch = RunningBatch()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -156,7 +156,7 @@ class Engine:
 
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, *, top_logprobs: int = 0
-    ) -> Request:
+    ) -> EngineRequest:
         """Queue a request; read its tokens from `request.tokens` until None.
 
         The caller has checked that prompt + max_tokens fits max_model_len. Raises
@@ -164,13 +164,13 @@ class Engine:
         """
         if not prompt_ids:
             raise ValueError("prompt_ids: must not be empty")
-        request = Request(f"req-{next(self._ids)}", list(prompt_ids), params, top_logprobs)
+        request = EngineRequest(f"req-{next(self._ids)}", list(prompt_ids), params, top_logprobs)
         self._waiting.append(request)
         self._metrics.waiting.set(len(self._waiting))
         self._wake.set()
         return request
 
-    def abort(self, request: Request) -> None:
+    def abort(self, request: EngineRequest) -> None:
         """Stop generating for a request whose client went away (idempotent)."""
         if request.aborted or request.finish_reason is not None:
             return
@@ -265,7 +265,7 @@ class Engine:
             self.last_step_at = time.monotonic()
             self._dispatch(outputs)
 
-    def _fail_batch(self, admitted: list[Request], err: Exception) -> None:
+    def _fail_batch(self, admitted: list[EngineRequest], err: Exception) -> None:
         """A step raised: fail every request it held, start again from an empty batch."""
         failed = list(dict.fromkeys([*self._running, *admitted]))  # in order, each once
         log.exception(
@@ -290,7 +290,7 @@ class Engine:
         for request in [*self._waiting, *self._running]:
             self.abort(request)
 
-    def _admit(self) -> list[Request]:
+    def _admit(self) -> list[EngineRequest]:
         if self._swapping:
             return []
         room = self.max_batch - len(self._running)
@@ -305,7 +305,7 @@ class Engine:
         self._metrics.requests.inc(len(admitted))
         return admitted
 
-    def _dispatch(self, outputs: list[tuple[Request, Token]]) -> None:
+    def _dispatch(self, outputs: list[tuple[EngineRequest, Token]]) -> None:
         for request, token in outputs:
             request.tokens.put_nowait(token)
             if token.finish_reason is not None:
@@ -315,8 +315,8 @@ class Engine:
 
     # -- one step (worker thread) ------------------------------------------------------------
 
-    def _step(self, admitted: list[Request]) -> list[tuple[Request, Token]]:
-        outputs: list[tuple[Request, Token]] = []
+    def _step(self, admitted: list[EngineRequest]) -> list[tuple[EngineRequest, Token]]:
+        outputs: list[tuple[EngineRequest, Token]] = []
         with torch.inference_mode():
             self._drop_finished()
             if admitted:
@@ -334,7 +334,7 @@ class Engine:
             self._running = [self._running[i] for i in live]
             self._batch.keep(live)
 
-    def _prefill(self, requests: list[Request]) -> list[tuple[Request, Token]]:
+    def _prefill(self, requests: list[EngineRequest]) -> list[tuple[EngineRequest, Token]]:
         from transformers import DynamicCache
 
         width = max(len(r.prompt_ids) for r in requests)
@@ -357,7 +357,7 @@ class Engine:
         self._running.extend(requests)
         return self._sample(requests, out.logits[:, -1, :])
 
-    def _decode_step(self) -> list[tuple[Request, Token]]:
+    def _decode_step(self) -> list[tuple[EngineRequest, Token]]:
         last = torch.tensor([[r.generated[-1]] for r in self._running], device=self.device)
         positions = self._batch.next_positions()
         mask = self._batch.extend_mask()
@@ -371,7 +371,9 @@ class Engine:
         self._batch.cache = out[self._cache_arg]
         return self._sample(self._running, out.logits[:, -1, :])
 
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[Request, Token]]:
+    def _sample(
+        self, requests: list[EngineRequest], logits: torch.Tensor
+    ) -> list[tuple[EngineRequest, Token]]:
         top_k = max(r.top_logprobs for r in requests)
         tokens, logprobs, tops = sample(
             logits.cpu(), [r.params for r in requests], [r.generator for r in requests], top_k
@@ -388,7 +390,7 @@ class Engine:
             )
         return outputs
 
-    def _finish_reason(self, request: Request, token_id: int) -> str | None:
+    def _finish_reason(self, request: EngineRequest, token_id: int) -> str | None:
         if token_id in self.eos_ids:
             return "stop"
         if request.params.stop and _ends_with_stop(

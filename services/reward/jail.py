@@ -82,8 +82,10 @@ def python_prefixes(words: Sequence[str], search_path: str | None) -> list[Path]
     interpreter or a pytest script (by path, or by name on `search_path`), its prefix
     (the directory above its bin/)."""
     found: list[Path] = []
-    for word in words:
+    for before, word in zip(["", *words], words, strict=False):
         name = os.path.basename(word)
+        if before == "-m":  # `python -m pytest` names a module, not a program
+            continue
         if not (name.startswith("python") or name in ("pytest", "py.test")):
             continue
         program = word if os.path.isabs(word) else shutil.which(word, path=search_path)

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from harnessrl.services.sample_builder.calls import Call, Decode, Ids, Mask
-from harnessrl.services.sample_builder.tree import Node, ids_of
+from harnessrl.services.sample_builder.tree import CallNode, ids_of
 
 
 class BreakKind(StrEnum):
@@ -94,7 +94,9 @@ def classify_break(
     return BreakKind.OTHER
 
 
-def find_breaks(nodes: list[Node], chains: list[list[int]], decode: Decode | None) -> list[Break]:
+def find_breaks(
+    nodes: list[CallNode], chains: list[list[int]], decode: Decode | None
+) -> list[Break]:
     """The break that started each chain after the first (see _break)."""
     of = {i: k for k, chain in enumerate(chains) for i in chain}
     heads = {chain[0]: k for k, chain in enumerate(chains)}
@@ -126,7 +128,7 @@ def find_breaks(nodes: list[Node], chains: list[list[int]], decode: Decode | Non
 
 
 def _break(
-    nodes: list[Node],
+    nodes: list[CallNode],
     head: int,
     tips: list[int],
     *,
@@ -179,7 +181,7 @@ def _same_at(call: Call, prompt_ids: Ids, at: int) -> bool:
     return rest < len(call.completion_ids) and bool(call.completion_ids[rest] == prompt_ids[at])
 
 
-def _older_goes_on(nodes: list[Node], parents: npt.NDArray[np.int64], head: int) -> bool:
+def _older_goes_on(nodes: list[CallNode], parents: npt.NDArray[np.int64], head: int) -> bool:
     """Whether a later call extends a call older than `head` that is not on its own line
     (the contexts its prompt starts with): a chain begun before it goes on after it."""
     later = parents[head + 1 :]

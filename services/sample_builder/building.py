@@ -20,7 +20,7 @@ import numpy as np
 from harnessrl.events import varint
 from harnessrl.services.sample_builder.advantages import advantages
 from harnessrl.services.sample_builder.config import SampleBuilderSection
-from harnessrl.services.sample_builder.group import Episode, Group
+from harnessrl.services.sample_builder.group import Group, GroupEpisode
 from harnessrl.services.sample_builder.merging import (
     BreakKind,
     Call,
@@ -54,8 +54,8 @@ class Built:
 
 
 @dataclass(frozen=True, slots=True)
-class _Kept:
-    episode: Episode
+class _KeptSegment:
+    episode: GroupEpisode
     reward: float
     segments: list[Segment]
 
@@ -63,7 +63,7 @@ class _Kept:
 def build(group: Group, settings: SampleBuilderSection, decode: Decode | None = None) -> Built:
     """The samples of `group` from what has arrived (all of it, unless timed out)."""
     built = Built(samples=None)
-    kept: list[_Kept] = []
+    kept: list[_KeptSegment] = []
     val = group.mode == pb.MODE_VAL
     for episode in group.episodes():
         reason, reward = _verdict(episode, settings)
@@ -109,7 +109,7 @@ def build(group: Group, settings: SampleBuilderSection, decode: Decode | None = 
     return built
 
 
-def _dropped(built: Built, kept: list[_Kept], reason: str) -> Built:
+def _dropped(built: Built, kept: list[_KeptSegment], reason: str) -> Built:
     """`built` for a group that is not trained on, for `reason`."""
     built.dropped = reason
     _close_books(built, kept, reason)
@@ -123,7 +123,7 @@ def _drop_tokens(built: Built, calls: Sequence[pb.ModelCall], reason: str) -> No
     built.dropped_tokens[reason] += tokens
 
 
-def _drop_episode(built: Built, episode: Episode, reason: str) -> None:
+def _drop_episode(built: Built, episode: GroupEpisode, reason: str) -> None:
     """All of an episode's captured tokens dropped for `reason`."""
     _drop_tokens(built, episode.every_call, reason)
     held = episode.overflow()[0] + episode.overflow(beyond=True)[0]
@@ -131,7 +131,7 @@ def _drop_episode(built: Built, episode: Episode, reason: str) -> None:
     built.dropped_tokens[reason] += held
 
 
-def _close_books(built: Built, kept: list[_Kept], reason: str | None) -> None:
+def _close_books(built: Built, kept: list[_KeptSegment], reason: str | None) -> None:
     """The kept episodes' tokens trained, or all dropped for the group's `reason`."""
     trained = sum(s.trained_tokens for k in kept for s in k.segments)
     if reason is None:
@@ -143,7 +143,9 @@ def _close_books(built: Built, kept: list[_Kept], reason: str | None) -> None:
             built.books.dropped[name] = tokens
 
 
-def _verdict(episode: Episode, settings: SampleBuilderSection) -> tuple[str | None, float | None]:
+def _verdict(
+    episode: GroupEpisode, settings: SampleBuilderSection
+) -> tuple[str | None, float | None]:
     """(reason to drop, None) or (None, the reward to train with)."""
     state = episode.state
     waiting = state.missing()
@@ -166,13 +168,13 @@ def _verdict(episode: Episode, settings: SampleBuilderSection) -> tuple[str | No
 
 
 def _segments(
-    episode: Episode,
+    episode: GroupEpisode,
     reward: float,
     *,
     settings: SampleBuilderSection,
     decode: Decode | None,
     built: Built,
-    kept: list[_Kept],
+    kept: list[_KeptSegment],
 ) -> str | None:
     """Merge the episode's calls into `kept`; the reason to drop it instead, if any."""
     calls = [to_call(c) for c in episode.calls]
@@ -204,7 +206,7 @@ def _segments(
         built.dropped_tokens[str(reason)] += tokens
     built.dropped_tokens["truncated"] += cut
     _count(built.merge, episode.episode_id, merged, len(calls))
-    kept.append(_Kept(episode, reward, segments))
+    kept.append(_KeptSegment(episode, reward, segments))
     return None
 
 
@@ -251,7 +253,9 @@ def to_call(call: pb.ModelCall) -> Call:
     )
 
 
-def _fill(sample: pb.Sample, kept: _Kept, index: int, segment: Segment, advantage: float) -> None:
+def _fill(
+    sample: pb.Sample, kept: _KeptSegment, index: int, segment: Segment, advantage: float
+) -> None:
     episode = kept.episode
     sample.sample_id = f"{episode.episode_id}/{episode.attempt}/{index}"
     sample.episode_id = episode.episode_id

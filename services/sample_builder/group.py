@@ -22,7 +22,7 @@ contents cannot grow the builder's memory by whole calls."""
 
 
 @dataclass(slots=True)
-class Attempt:
+class AttemptCalls:
     calls: dict[int, pb.ModelCall] = field(default_factory=dict)
     """The first copy of each seq."""
     conflicts: dict[int, list[pb.ModelCall]] = field(default_factory=dict)
@@ -49,13 +49,13 @@ class Attempt:
 
 
 @dataclass(frozen=True, slots=True)
-class Episode:
+class GroupEpisode:
     """An episode's final attempt, as far as it has arrived."""
 
     episode_id: str
     attempt: int
     index: int
-    state: Attempt
+    state: AttemptCalls
 
     @property
     def calls(self) -> list[pb.ModelCall]:
@@ -105,7 +105,7 @@ class Group:
         self.size: int | None = None
         self.mode: int = pb.MODE_UNSPECIFIED
         self._index: dict[str, int] = {}
-        self._attempts: dict[Key, Attempt] = {}
+        self._attempts: dict[Key, AttemptCalls] = {}
         self._final: dict[str, int] = {}
         self._retried: set[Key] = set()
 
@@ -117,7 +117,7 @@ class Group:
         key = (event.episode_id, event.attempt)  # type: ignore[attr-defined]
         if key in self._retried:
             return
-        attempt = self._attempts.setdefault(key, Attempt())
+        attempt = self._attempts.setdefault(key, AttemptCalls())
         if kind == "model_call":
             call: pb.ModelCall = event  # type: ignore[assignment]
             held = attempt.calls.setdefault(call.seq, call)
@@ -145,7 +145,7 @@ class Group:
         self.mode = event.mode or self.mode
         self._index[event.episode_id] = event.index
 
-    def _finished(self, key: Key, attempt: Attempt, event: pb.EpisodeFinished) -> None:
+    def _finished(self, key: Key, attempt: AttemptCalls, event: pb.EpisodeFinished) -> None:
         attempt.finished = event
         self.task_id = event.task_id or self.task_id
         self.mode = event.mode or self.mode
@@ -163,17 +163,19 @@ class Group:
             and all(e.state.missing() is None for e in self.episodes())
         )
 
-    def episodes(self) -> list[Episode]:
+    def episodes(self) -> list[GroupEpisode]:
         """Final attempts known so far, ordered by their index in the group."""
         out = [
-            Episode(episode_id, attempt, self._index.get(episode_id, 1 << 32), self._state(key))
+            GroupEpisode(
+                episode_id, attempt, self._index.get(episode_id, 1 << 32), self._state(key)
+            )
             for episode_id, attempt in self._final.items()
             for key in [(episode_id, attempt)]
         ]
         return sorted(out, key=lambda e: (e.index, e.episode_id))
 
-    def _state(self, key: Key) -> Attempt:
-        return self._attempts.setdefault(key, Attempt())
+    def _state(self, key: Key) -> AttemptCalls:
+        return self._attempts.setdefault(key, AttemptCalls())
 
     def missing(self) -> Iterator[str]:
         """Why the group is not ready, for logs and the timeout path."""

@@ -36,7 +36,7 @@ _SCAN = 16
 
 
 @dataclass(slots=True)
-class Node:
+class CallNode:
     call: Call
     prompt: bytes
     context: bytes
@@ -49,7 +49,7 @@ class Node:
     """Starts a chain."""
 
 
-def build_tree(calls: list[Call]) -> list[Node]:
+def build_tree(calls: list[Call]) -> list[CallNode]:
     """The calls (ascending seq) as nodes, each with its parent: the earlier call whose
     context is the longest prefix of its prompt (the latest such call on a tie).
 
@@ -58,13 +58,13 @@ def build_tree(calls: list[Call]) -> list[Node]:
     one by one (the parent is almost always among them); the rest, if need be, are
     filtered by their tails in one vector operation, so an episode of many chains costs
     linear, not quadratic, Python work."""
-    nodes: list[Node] = []
+    nodes: list[CallNode] = []
     by_length: list[int] = []  # node indexes, longest context first (latest first on a tie)
     lengths = np.zeros(len(calls), dtype=np.int64)
     tails = np.zeros((len(calls), _TAIL), dtype=np.uint32)  # right-aligned
     for index, call in enumerate(calls):
         prompt = call.prompt_ids.tobytes()
-        node = Node(call, prompt, prompt + call.completion_ids.tobytes())
+        node = CallNode(call, prompt, prompt + call.completion_ids.tobytes())
         node.parent = _first_prefix(node, nodes, by_length[:_SCAN])
         if node.parent < 0 and index > _SCAN:
             tried = set(by_length[:_SCAN])
@@ -88,7 +88,7 @@ def build_tree(calls: list[Call]) -> list[Node]:
 
 
 def _first_prefix(
-    node: Node, nodes: list[Node], candidates: list[int], tails_checked: bool = False
+    node: CallNode, nodes: list[CallNode], candidates: list[int], tails_checked: bool = False
 ) -> int:
     """The first of `candidates` whose context is a prefix of the node's prompt, or -1."""
     prompt = node.prompt
@@ -105,7 +105,7 @@ def _first_prefix(
     return -1
 
 
-def _insert(order: list[int], index: int, nodes: list[Node]) -> None:
+def _insert(order: list[int], index: int, nodes: list[CallNode]) -> None:
     """Put node `index` into `order` (longest context first, later nodes first on a tie)."""
     n = len(nodes[index].context)
     lo, hi = 0, len(order)
@@ -119,8 +119,8 @@ def _insert(order: list[int], index: int, nodes: list[Node]) -> None:
 
 
 def drop_alternatives(
-    nodes: list[Node], dropped: Counter[Dropped], dropped_calls: Counter[Dropped]
-) -> list[Node]:
+    nodes: list[CallNode], dropped: Counter[Dropped], dropped_calls: Counter[Dropped]
+) -> list[CallNode]:
     """The nodes without the alternatives nobody used (re-indexed, children linked)."""
     extended = {node.parent for node in nodes if node.parent >= 0}
     alternatives: dict[bytes, list[int]] = {}
@@ -154,7 +154,7 @@ def drop_alternatives(
     return kept
 
 
-def cut_chains(nodes: list[Node]) -> list[list[int]]:
+def cut_chains(nodes: list[CallNode]) -> list[list[int]]:
     """The chains (node indexes, ascending seq), ordered by their first calls."""
     for i in range(len(nodes) - 1, -1, -1):  # children come after their parents
         node = nodes[i]

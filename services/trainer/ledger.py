@@ -114,7 +114,7 @@ class _Held(Generic[H]):
     """Sample ids of the record that were not saved when it arrived."""
 
 
-class Ledger(Generic[H]):
+class DeliveryLedger(Generic[H]):
     """The delivery bookkeeping of one trainer (see the module docstring). Not thread-safe:
     call it from the event loop (or before consuming starts)."""
 

@@ -39,7 +39,7 @@ from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
 from harnessrl.services.trainer.config import TrainerConfig
 from harnessrl.services.trainer.distributed import World
 from harnessrl.services.trainer.journal import StepJournal
-from harnessrl.services.trainer.ledger import Ledger
+from harnessrl.services.trainer.ledger import DeliveryLedger
 from harnessrl.services.trainer.lora import adapter_spec
 from harnessrl.services.trainer.metrics import TrainerMetrics
 from harnessrl.services.trainer.policy import Policy, StepStats
@@ -68,7 +68,9 @@ class TrainerService:
             batch_tokens=self._settings.batch_tokens,
             max_staleness=self._settings.max_staleness,
         )
-        self._ledger: Ledger[Hold] = Ledger(max_staleness=self._settings.max_staleness)
+        self._ledger: DeliveryLedger[Hold] = DeliveryLedger(
+            max_staleness=self._settings.max_staleness
+        )
         """What was offered, trained and checkpointed; holds records until a checkpoint."""
         self.step = 0
         self.version = 0

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from harnessrl.doctor.run import Options, run_doctor
+from harnessrl.doctor.run import DoctorOptions, run_doctor
 from harnessrl.tasks import TaskLine
 
 pytestmark = pytest.mark.integration
@@ -72,7 +72,7 @@ def doctor(stack: Path, tmp_path: Path, script: str, episodes: int = 4) -> dict[
         TaskLine(task_id=f"{script}-{i}", input={"script": script}, split="val", group_size=2)
         for i in range(2)
     ]
-    options = Options(
+    options = DoctorOptions(
         out=tmp_path / script,
         tasks=tasks,
         tasks_file=tmp_path / "tasks.jsonl",

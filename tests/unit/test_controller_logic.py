@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from harnessrl.services.controller.admission import Admission
+from harnessrl.services.controller.admission import EpisodeAdmission
 from harnessrl.services.controller.lifecycle import (
-    Attempt,
+    AttemptState,
+    EpisodeLedger,
     IllegalTransition,
-    Ledger,
     Phase,
     judge,
 )
@@ -24,13 +24,13 @@ def _result(outcome: str = "exited", code: int | None = 0, error: str | None = N
 
 
 def test_an_attempt_moves_only_along_the_lifecycle() -> None:
-    attempt = Attempt("ep", 1)
+    attempt = AttemptState("ep", 1)
     for phase in (Phase.RUNNING, Phase.CLOSING, Phase.FINISHED):
         attempt.advance(phase)
     with pytest.raises(IllegalTransition, match="finished -> running is not allowed"):
         attempt.advance(Phase.RUNNING)
     with pytest.raises(IllegalTransition):
-        Attempt("ep", 1).advance(Phase.CLOSING)
+        AttemptState("ep", 1).advance(Phase.CLOSING)
 
 
 @pytest.mark.parametrize(
@@ -58,7 +58,7 @@ def test_verdicts(result: RunResult, attempt: int, status: int, retry: bool) -> 
 
 
 def test_the_ledger_knows_what_was_started_and_finished() -> None:
-    ledger = Ledger()
+    ledger = EpisodeLedger()
     ledger.add("episode_started", pb.EpisodeStarted(episode_id="g-0", attempt=1, group_id="g"))
     ledger.add(
         "episode_finished",
@@ -84,7 +84,7 @@ def test_results_come_from_the_file_or_the_last_line() -> None:
 
 
 async def test_admission_caps_episodes_in_flight() -> None:
-    admission = Admission(max_in_flight=2, sync=False, max_staleness=1, engines=1)
+    admission = EpisodeAdmission(max_in_flight=2, sync=False, max_staleness=1, engines=1)
     await admission.acquire("a")
     await admission.acquire("b")
     third = asyncio.create_task(admission.acquire("c"))
@@ -95,7 +95,7 @@ async def test_admission_caps_episodes_in_flight() -> None:
 
 
 async def test_sync_admission_waits_for_every_engine_to_load_the_announced_version() -> None:
-    admission = Admission(max_in_flight=8, sync=True, max_staleness=0, engines=2)
+    admission = EpisodeAdmission(max_in_flight=8, sync=True, max_staleness=0, engines=2)
     await admission.announced_version(1)
     waiting = asyncio.create_task(admission.acquire("a"))
     await asyncio.sleep(0.01)
@@ -108,7 +108,7 @@ async def test_sync_admission_waits_for_every_engine_to_load_the_announced_versi
 
 
 async def test_async_admission_reports_episodes_that_fell_too_far_behind() -> None:
-    admission = Admission(max_in_flight=8, sync=False, max_staleness=1, engines=1)
+    admission = EpisodeAdmission(max_in_flight=8, sync=False, max_staleness=1, engines=1)
     await admission.acquire("old")
     await admission.loaded(1, "e")
     await admission.acquire("new")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harnessrl.experiment.ledger import TRAIN, VAL_AFTER, VAL_BEFORE, Ledger
+from harnessrl.experiment.ledger import TRAIN, VAL_AFTER, VAL_BEFORE, RunLedger
 from harnessrl.experiment.scrape import parse
 from harnessrl.v1 import events_pb2 as pb
 
@@ -22,7 +22,7 @@ def reward(
 
 
 def test_a_group_is_done_when_each_episode_has_its_final_attempts_reward() -> None:
-    ledger = Ledger()
+    ledger = RunLedger()
     ledger.submitted("g1", "mul-3-4", VAL_BEFORE, 2)
     ledger.apply("episode_started", pb.EpisodeStarted(episode_id="e1", group_id="g1"), 1.0)
     ledger.apply("episode_finished", finished("e1", "g1", final=False), 2.0)
@@ -41,7 +41,7 @@ def test_a_group_is_done_when_each_episode_has_its_final_attempts_reward() -> No
 
 
 def test_events_of_groups_the_experiment_did_not_submit_are_ignored() -> None:
-    ledger = Ledger()
+    ledger = RunLedger()
     ledger.apply("episode_finished", finished("x", "other"), 1.0)
     ledger.apply("group_samples", pb.GroupSamples(group_id="other"), 1.0)
     assert ledger.groups == {}
@@ -49,7 +49,7 @@ def test_events_of_groups_the_experiment_did_not_submit_are_ignored() -> None:
 
 
 def test_train_figures_steps_and_engines() -> None:
-    ledger = Ledger()
+    ledger = RunLedger()
     ledger.submitted("g", "add-1-2", TRAIN, 1)
     call = pb.ModelCall(
         episode_id="e",

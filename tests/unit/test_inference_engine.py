@@ -11,7 +11,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-from harnessrl.services.inference.engine import Engine, Request
+from harnessrl.services.inference.engine import Engine, EngineRequest
 from harnessrl.services.inference.kv import RunningBatch, cache_argument, positions_from_mask
 from harnessrl.services.inference.sampling import SamplingParams, generator_for, sample
 
@@ -128,7 +128,7 @@ def _engine(model: Qwen2ForCausalLM, max_batch: int = 8) -> Engine:
     )
 
 
-async def _collect(request: Request) -> list[int]:
+async def _collect(request: EngineRequest) -> list[int]:
     out = []
     while (token := await request.tokens.get()) is not None:
         out.append(token.token_id)

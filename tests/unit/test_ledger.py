@@ -16,7 +16,7 @@ from harnessrl.bus.offsets import OffsetTracker
 from harnessrl.services.trainer import checkpoint, ledger
 from harnessrl.services.trainer.batching import Batcher
 from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
-from harnessrl.services.trainer.ledger import Ledger, LedgerState
+from harnessrl.services.trainer.ledger import DeliveryLedger, LedgerState
 from harnessrl.v1 import events_pb2 as pb
 
 
@@ -25,16 +25,16 @@ class S(NamedTuple):
     policy_version_min: int = 0
 
 
-def offer(book: Ledger[str], record: str, *samples: S, taken: tuple[str, ...] = ()) -> bool:
+def offer(book: DeliveryLedger[str], record: str, *samples: S, taken: tuple[str, ...] = ()) -> bool:
     return book.offer(samples, taken=taken, hold=lambda: record)
 
 
-def step(book: Ledger[str], version: int, *ids: str) -> None:
+def step(book: DeliveryLedger[str], version: int, *ids: str) -> None:
     book.take(ids, stale=())
     book.trained(version)
 
 
-def checkpoint_at(book: Ledger[str], version: int) -> list[str]:
+def checkpoint_at(book: DeliveryLedger[str], version: int) -> list[str]:
     return book.checkpointed(book.snapshot(version))
 
 
@@ -43,7 +43,7 @@ def never() -> str:
 
 
 def test_a_record_is_acknowledged_by_the_first_checkpoint_after_its_samples_trained() -> None:
-    book: Ledger[str] = Ledger(max_staleness=2)
+    book: DeliveryLedger[str] = DeliveryLedger(max_staleness=2)
     assert offer(book, "r1", S("a"), S("b"), taken=("a", "b"))
     assert checkpoint_at(book, 0) == []  # pending: not in these weights
     book.take(["a", "b"], stale=())
@@ -59,7 +59,7 @@ def test_a_record_is_acknowledged_by_the_first_checkpoint_after_its_samples_trai
 
 
 def test_a_redelivery_of_a_pending_sample_is_skipped_and_held_until_it_is_saved() -> None:
-    book: Ledger[str] = Ledger(max_staleness=2)
+    book: DeliveryLedger[str] = DeliveryLedger(max_staleness=2)
     offer(book, "r1", S("a"), taken=("a",))
     assert "a" in book.known  # the batcher skips the copy
     assert offer(book, "r1-again", S("a"))
@@ -68,7 +68,7 @@ def test_a_redelivery_of_a_pending_sample_is_skipped_and_held_until_it_is_saved(
 
 
 def test_a_redelivery_while_its_step_runs_is_skipped_and_held() -> None:
-    book: Ledger[str] = Ledger(max_staleness=2)
+    book: DeliveryLedger[str] = DeliveryLedger(max_staleness=2)
     offer(book, "r1", S("a"), taken=("a",))
     book.take(["a"], stale=())
     assert "a" in book.known
@@ -78,7 +78,7 @@ def test_a_redelivery_while_its_step_runs_is_skipped_and_held() -> None:
 
 
 def test_a_redelivery_of_a_sample_trained_since_the_checkpoint_is_held_until_the_next() -> None:
-    book: Ledger[str] = Ledger(max_staleness=2)
+    book: DeliveryLedger[str] = DeliveryLedger(max_staleness=2)
     offer(book, "r1", S("a"), taken=("a",))
     step(book, 1, "a")
     assert offer(book, "r1-again", S("a"))
@@ -86,7 +86,7 @@ def test_a_redelivery_of_a_sample_trained_since_the_checkpoint_is_held_until_the
 
 
 def test_a_redelivery_of_a_saved_sample_is_acknowledged_at_once() -> None:
-    book: Ledger[str] = Ledger(max_staleness=2)
+    book: DeliveryLedger[str] = DeliveryLedger(max_staleness=2)
     offer(book, "r1", S("a"), taken=("a",))
     step(book, 1, "a")
     checkpoint_at(book, 1)
@@ -95,7 +95,7 @@ def test_a_redelivery_of_a_saved_sample_is_acknowledged_at_once() -> None:
 
 
 def test_a_record_whose_samples_went_stale_is_released_by_the_next_checkpoint() -> None:
-    book: Ledger[str] = Ledger(max_staleness=2)
+    book: DeliveryLedger[str] = DeliveryLedger(max_staleness=2)
     assert not book.offer([S("old")], taken=(), hold=never)  # stale on arrival: nothing held
     offer(book, "r1", S("a"), taken=("a",))
     book.take([], stale=["a"])  # it grew stale waiting for its batch
@@ -104,7 +104,7 @@ def test_a_record_whose_samples_went_stale_is_released_by_the_next_checkpoint() 
 
 
 def test_a_saved_sample_is_forgotten_once_more_than_max_staleness_versions_behind() -> None:
-    book: Ledger[str] = Ledger(max_staleness=2)
+    book: DeliveryLedger[str] = DeliveryLedger(max_staleness=2)
     offer(book, "r1", S("a", 5), taken=("a",))
     step(book, 6, "a")
     checkpoint_at(book, 6)
@@ -118,7 +118,7 @@ def test_a_saved_sample_is_forgotten_once_more_than_max_staleness_versions_behin
 
 
 def test_a_sample_not_yet_checkpointed_is_kept_however_stale() -> None:
-    book: Ledger[str] = Ledger(max_staleness=2)
+    book: DeliveryLedger[str] = DeliveryLedger(max_staleness=2)
     offer(book, "r1", S("a", 0), taken=("a",))
     step(book, 1, "a")
     book.trained(10)
@@ -131,12 +131,12 @@ def test_a_sample_not_yet_checkpointed_is_kept_however_stale() -> None:
 
 
 def test_restore_remembers_the_saved_samples_and_the_horizon() -> None:
-    book: Ledger[str] = Ledger(max_staleness=2)
+    book: DeliveryLedger[str] = DeliveryLedger(max_staleness=2)
     offer(book, "r1", S("a", 3), S("b", 4), taken=("a", "b"))
     step(book, 5, "a", "b")
     offer(book, "r2", S("c", 5), taken=("c",))  # pending: a restart re-delivers it
     state = book.snapshot(5).state
-    restored: Ledger[str] = Ledger(max_staleness=2)
+    restored: DeliveryLedger[str] = DeliveryLedger(max_staleness=2)
     restored.restore(state)
     assert set(restored.known) == {"a", "b"} and restored.horizon == 3
     assert not restored.offer([S("a", 3)], taken=(), hold=never)
@@ -146,12 +146,12 @@ def test_restore_remembers_the_saved_samples_and_the_horizon() -> None:
 
 
 def test_raising_max_staleness_across_a_restart_cannot_revive_a_forgotten_sample() -> None:
-    book: Ledger[str] = Ledger(max_staleness=1)
+    book: DeliveryLedger[str] = DeliveryLedger(max_staleness=1)
     offer(book, "r1", S("g/0", 0), taken=("g/0",))
     step(book, 1, "g/0")
     checkpoint_at(book, 1)
     book.trained(3)  # forgotten: 3 behind
-    restored: Ledger[str] = Ledger(max_staleness=10)
+    restored: DeliveryLedger[str] = DeliveryLedger(max_staleness=10)
     restored.restore(book.snapshot(3).state)
     copy = _group("g", 1, version=0)  # the sample builder re-publishes it
     batcher = Batcher(batch_groups=1, batch_tokens=None, max_staleness=10)
@@ -162,7 +162,7 @@ def test_raising_max_staleness_across_a_restart_cannot_revive_a_forgotten_sample
 
 
 def test_a_move_outside_the_lifecycle_is_refused() -> None:
-    book: Ledger[str] = Ledger(max_staleness=2)
+    book: DeliveryLedger[str] = DeliveryLedger(max_staleness=2)
     with pytest.raises(RuntimeError, match="cannot go from None to taken"):
         book.take(["never-offered"], stale=())
     offer(book, "r1", S("a"), taken=("a",))
@@ -200,7 +200,7 @@ class _Trainer:
         self.ckpts = ckpts
         self.model = torch.nn.Linear(2, 2)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
-        self.ledger: Ledger[int] = Ledger(max_staleness=STALENESS)
+        self.ledger: DeliveryLedger[int] = DeliveryLedger(max_staleness=STALENESS)
         self.batcher = Batcher(
             batch_groups=BATCH_GROUPS, batch_tokens=None, max_staleness=STALENESS
         )

@@ -27,8 +27,8 @@ from harnessrl.telemetry import extract_context, inject_headers, span_ids
 from harnessrl.telemetry.jsonl import JsonLinesSpanExporter, read_spans
 from harnessrl.telemetry.tracetree import (
     EpisodePath,
-    Node,
     Span,
+    SpanNode,
     build_tree,
     episode_path,
     from_jaeger,
@@ -146,7 +146,7 @@ def _path(path: Path, episode_id: str = "e1") -> EpisodePath:
     return found
 
 
-def _walk(node: Node) -> list[Node]:
+def _walk(node: SpanNode) -> list[SpanNode]:
     return [node, *(n for child in node.children for n in _walk(child))]
 
 

@@ -30,7 +30,7 @@ from harnessrl.chaos.reconcile import Books, reconcile
 from harnessrl.chaos.stack import ChaosStack
 from harnessrl.command import Progress
 from harnessrl.experiment.bus import task_bus
-from harnessrl.experiment.ledger import TRAIN, Ledger
+from harnessrl.experiment.ledger import TRAIN, RunLedger
 from harnessrl.logs import get_logger
 from harnessrl.tasks import TaskLine, new_group_id, to_event
 
@@ -44,7 +44,7 @@ class ChaosError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class Options:
+class ChaosOptions:
     config: Path
     tasks: list[TaskLine]
     workdir: Path
@@ -77,7 +77,7 @@ CHAOS_ENV = {
 }
 
 
-async def run_chaos(options: Options, progress: IO[str], log_file: IO[str]) -> dict[str, Any]:
+async def run_chaos(options: ChaosOptions, progress: IO[str], log_file: IO[str]) -> dict[str, Any]:
     """Run it; returns the figures (faults injected and the reconciliation)."""
     from harnessrl.telemetry.receiver import OtlpReceiver
     from harnessrl.up.plan import build_plan
@@ -140,9 +140,9 @@ def _with_env(plan: Any, env: dict[str, str]) -> Any:
     return dataclasses.replace(plan, children=children)
 
 
-async def _drive(options: Options, stack: ChaosStack, group_size: int) -> Faults:
+async def _drive(options: ChaosOptions, stack: ChaosStack, group_size: int) -> Faults:
     """Submit, inject faults until the time is up, drain. Returns the faults injected."""
-    ledger = Ledger()
+    ledger = RunLedger()
     faults = Faults()
     async with task_bus(stack.plan.bootstrap, ledger) as (publish, changed):
         tasks = itertools.cycle(options.tasks)
@@ -173,7 +173,9 @@ async def _drive(options: Options, stack: ChaosStack, group_size: int) -> Faults
     return faults
 
 
-async def _inject(options: Options, stack: ChaosStack, faults: Faults, deadline: float) -> None:
+async def _inject(
+    options: ChaosOptions, stack: ChaosStack, faults: Faults, deadline: float
+) -> None:
     """Kills every ~kill_every_s, freezes at evenly spaced moments, until `deadline`."""
     rng = random.Random(options.seed)
     start = time.monotonic()
@@ -216,7 +218,7 @@ def _check(stack: ChaosStack, injector: asyncio.Task[None] | None) -> None:
         raise ChaosError(failure)
 
 
-async def _submit(task: TaskLine, group_size: int, ledger: Ledger, publish: Any) -> None:
+async def _submit(task: TaskLine, group_size: int, ledger: RunLedger, publish: Any) -> None:
     group_id = new_group_id()
     sized = task.model_copy(update={"group_size": task.group_size or group_size})
     event = to_event(sized, group_id)
@@ -230,7 +232,7 @@ async def _wait(changed: asyncio.Event) -> None:
         await asyncio.wait_for(changed.wait(), 1.0)
 
 
-def _note(ledger: Ledger, faults: Faults) -> str:
+def _note(ledger: RunLedger, faults: Faults) -> str:
     return (
         f"kills {len(faults.kills)}  freezes {len(faults.freezes)}  "
         f"episodes {len(ledger.episodes_done(TRAIN))}  policy v{ledger.version}"

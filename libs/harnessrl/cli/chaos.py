@@ -68,7 +68,7 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harnessrl.chaos.run import ChaosError, Options, run_chaos
+    from harnessrl.chaos.run import ChaosError, ChaosOptions, run_chaos
     from harnessrl.up.plan import UpError
 
     if args.minutes <= 0 or args.kill_every <= 0 or args.freeze < 0 or args.freezes < 0:
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     tasks = [t for t in read_tasks(tasks_file) if t.split == "train"]
     if not tasks:
         raise CliError(f"{tasks_file}: no train tasks")
-    options = Options(
+    options = ChaosOptions(
         config=args.config,
         tasks=tasks,
         workdir=workdir,

@@ -72,7 +72,7 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harnessrl.doctor.run import DoctorError, Options, run_doctor
+    from harnessrl.doctor.run import DoctorError, DoctorOptions, run_doctor
 
     if args.config is None and args.stack is None:
         raise CliError("give --config (start a stack) or --stack (use a running one)")
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if not tasks:
         raise CliError(f"{args.tasks}: no tasks")
     out = args.out or Path("runs") / time.strftime("doctor-%Y%m%d-%H%M%S")
-    options = Options(
+    options = DoctorOptions(
         out=out,
         tasks=tasks,
         tasks_file=args.tasks,

@@ -56,7 +56,7 @@ def register(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from harnessrl.experiment.report import write_report
-    from harnessrl.experiment.run import ExperimentError, Options, run_experiment
+    from harnessrl.experiment.run import ExperimentError, ExperimentOptions, run_experiment
 
     if (args.config is None) == (args.stack is None):
         raise CliError("give exactly one of --config (start a stack) and --stack (use one)")
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--{name.replace('_', '-')}: must be at least 1")
     train, val = read_tasks(args.train), read_tasks(args.val)
     run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    options = Options(
+    options = ExperimentOptions(
         run_dir=run_dir,
         train=train,
         val=val,

@@ -24,7 +24,7 @@ from typing import IO, Any
 from harnessrl.command import Progress
 from harnessrl.logs import get_logger
 from harnessrl.tasks import TaskLine
-from harnessrl.up.client import Stack
+from harnessrl.up.client import RunningStack
 
 log = get_logger(__name__)
 
@@ -58,7 +58,7 @@ class Collected:
 
 
 async def collect(
-    stack: Stack,
+    stack: RunningStack,
     tasks: list[TaskLine],
     *,
     episodes: int,

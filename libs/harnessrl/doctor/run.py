@@ -13,7 +13,7 @@ from harnessrl.doctor.collect import DoctorError, collect
 from harnessrl.tasks import TaskLine
 from harnessrl.up.client import StackError, stack_for
 
-__all__ = ["DoctorError", "Options", "run_doctor"]
+__all__ = ["DoctorError", "DoctorOptions", "run_doctor"]
 
 STACK_ENV = {"HARNESSRL_GATEWAY__CAPTURE_BODIES": "true"}
 """A stack the doctor starts records the harness's request and response bodies (the wire
@@ -21,7 +21,7 @@ checks read the sampling fields, budgets and tools the harness sent)."""
 
 
 @dataclass(frozen=True, slots=True)
-class Options:
+class DoctorOptions:
     out: Path
     tasks: list[TaskLine]
     tasks_file: Path
@@ -37,7 +37,7 @@ class Options:
     ready_timeout_s: float = 300.0
 
 
-async def run_doctor(options: Options, progress: IO[str]) -> dict[str, Any]:
+async def run_doctor(options: DoctorOptions, progress: IO[str]) -> dict[str, Any]:
     """Run the episodes, write out/doctor.json and out/doctor.html, return the report."""
     from harnessrl.doctor.analyze import analyze
     from harnessrl.doctor.render import write_html, write_json

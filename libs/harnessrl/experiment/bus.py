@@ -1,5 +1,5 @@
 """A client of a running stack's topics: a producer for tasks, and a follower that feeds
-every event an experiment (or a chaos run) measures into a `Ledger`."""
+every event an experiment (or a chaos run) measures into a `RunLedger`."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from harnessrl.experiment.ledger import KINDS, Ledger
+from harnessrl.experiment.ledger import KINDS, RunLedger
 
 
 @contextlib.asynccontextmanager
-async def task_bus(bootstrap: str, ledger: Ledger) -> AsyncIterator[tuple[Any, asyncio.Event]]:
+async def task_bus(bootstrap: str, ledger: RunLedger) -> AsyncIterator[tuple[Any, asyncio.Event]]:
     """A producer for tasks, and a follower feeding every relevant event to `ledger`."""
     from harnessrl.bus import Producer
     from harnessrl.config import KafkaSettings, ProducerSettings
@@ -40,7 +40,7 @@ async def task_bus(bootstrap: str, ledger: Ledger) -> AsyncIterator[tuple[Any, a
             await producer.stop(timeout=5.0)
 
 
-async def _follow(kafka: Any, ledger: Ledger, changed: asyncio.Event) -> None:
+async def _follow(kafka: Any, ledger: RunLedger, changed: asyncio.Event) -> None:
     from aiokafka import AIOKafkaConsumer
 
     from harnessrl import events
@@ -67,7 +67,7 @@ async def _follow(kafka: Any, ledger: Ledger, changed: asyncio.Event) -> None:
         await consumer.stop()
 
 
-def _apply(ledger: Ledger, record: Any, events: Any) -> None:
+def _apply(ledger: RunLedger, record: Any, events: Any) -> None:
     try:
         meta, kind, event = events.unwrap(events.decode(record.topic, record.value))
     except events.DecodeError:

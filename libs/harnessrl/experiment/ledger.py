@@ -17,7 +17,7 @@ VAL_BEFORE, TRAIN, VAL_AFTER = "val_before", "train", "val_after"
 
 
 @dataclass(slots=True)
-class EpisodeRecord:
+class RunEpisode:
     group_id: str
     final_attempt: int | None = None
     finished_at: float | None = None
@@ -41,7 +41,7 @@ class GroupRecord:
     task_id: str
     phase: str
     size: int
-    episodes: dict[str, EpisodeRecord] = field(default_factory=dict)
+    episodes: dict[str, RunEpisode] = field(default_factory=dict)
 
     @property
     def done(self) -> bool:
@@ -62,7 +62,7 @@ BREAKS = ("chat_template", "retokenization", "compaction", "side_chain", "other"
 """The sample builder's break classes (MergeStats.break_<name>)."""
 
 
-class Ledger:
+class RunLedger:
     """The run as the topics tell it."""
 
     def __init__(self) -> None:
@@ -107,9 +107,9 @@ class Ledger:
     def _episode_event(self, kind: str, event: Any, at: float) -> None:
         group = self.groups[event.group_id]
         if kind == "episode_started":
-            group.episodes.setdefault(event.episode_id, EpisodeRecord(event.group_id))
+            group.episodes.setdefault(event.episode_id, RunEpisode(event.group_id))
             return
-        episode = group.episodes.setdefault(event.episode_id, EpisodeRecord(event.group_id))
+        episode = group.episodes.setdefault(event.episode_id, RunEpisode(event.group_id))
         if kind == "episode_finished" and event.final:
             episode.final_attempt = event.attempt
             episode.finished_at = event.finished_at.ToSeconds() or at
@@ -130,7 +130,7 @@ class Ledger:
         """Groups of `phase` not done yet."""
         return sum(1 for g in self.phase(phase) if not g.done)
 
-    def episodes_done(self, phase: str) -> list[EpisodeRecord]:
+    def episodes_done(self, phase: str) -> list[RunEpisode]:
         return [e for g in self.phase(phase) for e in g.episodes.values() if e.reward is not None]
 
     @property

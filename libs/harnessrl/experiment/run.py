@@ -22,11 +22,11 @@ from typing import IO, Any
 
 from harnessrl.command import Progress
 from harnessrl.experiment.bus import task_bus
-from harnessrl.experiment.ledger import TRAIN, VAL_AFTER, VAL_BEFORE, Ledger
+from harnessrl.experiment.ledger import TRAIN, VAL_AFTER, VAL_BEFORE, RunLedger
 from harnessrl.experiment.scrape import scrape
 from harnessrl.logs import get_logger
 from harnessrl.tasks import TaskLine
-from harnessrl.up.client import Stack, StackError, stack_for
+from harnessrl.up.client import RunningStack, StackError, stack_for
 
 log = get_logger(__name__)
 
@@ -36,7 +36,7 @@ class ExperimentError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class Options:
+class ExperimentOptions:
     run_dir: Path
     train: list[TaskLine]
     val: list[TaskLine]
@@ -55,7 +55,7 @@ class Options:
     ready_timeout_s: float = 300.0
 
 
-async def run_experiment(options: Options, progress: IO[str]) -> dict[str, Any]:
+async def run_experiment(options: ExperimentOptions, progress: IO[str]) -> dict[str, Any]:
     """Run it; returns the metrics the report is drawn from (see report.write_report)."""
     options.run_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -81,8 +81,10 @@ async def run_experiment(options: Options, progress: IO[str]) -> dict[str, Any]:
         raise ExperimentError(str(err)) from None
 
 
-async def _run(options: Options, stack: Stack, progress: IO[str], started: float) -> dict[str, Any]:
-    ledger = Ledger()
+async def _run(
+    options: ExperimentOptions, stack: RunningStack, progress: IO[str], started: float
+) -> dict[str, Any]:
+    ledger = RunLedger()
     async with task_bus(stack.bootstrap, ledger) as (publish, changed):
         experiment = _Experiment(
             options, stack, ledger, publish=publish, changed=changed, progress=progress
@@ -97,9 +99,9 @@ async def _run(options: Options, stack: Stack, progress: IO[str], started: float
 class _Experiment:
     def __init__(
         self,
-        options: Options,
-        stack: Stack,
-        ledger: Ledger,
+        options: ExperimentOptions,
+        stack: RunningStack,
+        ledger: RunLedger,
         *,
         publish: Any,
         changed: asyncio.Event,

@@ -78,7 +78,7 @@ def clean(
     """The tasks that pass every check, in input order, and the report."""
     report = Report()
     kept: list[SweTask] = []
-    seen = _Kept()
+    seen = _KeptTask()
     for number, item in records:
         report.read += 1
         if isinstance(item, SchemaError):
@@ -114,7 +114,7 @@ def _check(task: SweTask, settings: CleanSettings) -> str | None:
     return None
 
 
-class _Kept:
+class _KeptTask:
     """What the kept tasks hold, to tell a duplicate."""
 
     def __init__(self) -> None:

@@ -95,9 +95,9 @@ class Span:
 
 
 @dataclass
-class Node:
+class SpanNode:
     span: Span
-    children: list[Node] = field(default_factory=list)
+    children: list[SpanNode] = field(default_factory=list)
     orphan: bool = False  # its parent was not found; attached to the root instead
 
 
@@ -107,7 +107,7 @@ class EpisodePath:
 
     episode_id: str
     trace_id: str
-    root: Node
+    root: SpanNode
     groups: list[Span]
     steps: list[Span]
     seqs: dict[str, int]  # call span id -> seq, from the group spans' link attributes
@@ -207,7 +207,7 @@ def episode_trace(spans: Iterable[Span], episode_id: str) -> str | None:
     return found.trace_id if found else None
 
 
-def build_tree(spans: Iterable[Span], trace_id: str) -> Node:
+def build_tree(spans: Iterable[Span], trace_id: str) -> SpanNode:
     """The parent/child tree of one trace, children in start order. The root is the parentless
     span (the earliest if several); spans whose parent is missing hang from the root, marked
     orphan. When no span is parentless, a placeholder root named "(root not exported)" is
@@ -215,14 +215,14 @@ def build_tree(spans: Iterable[Span], trace_id: str) -> Node:
     members = sorted((s for s in spans if s.trace_id == trace_id), key=lambda s: s.start_ns)
     if not members:
         raise ValueError(f"no spans in trace {trace_id}")
-    nodes = {s.span_id: Node(s) for s in members}
+    nodes = {s.span_id: SpanNode(s) for s in members}
     roots = [s for s in members if not s.parent_id]
     if roots:
         root = nodes[roots[0].span_id]
     else:
         first, last = members[0], max(members, key=lambda s: s.end_ns)
         placeholder = Span(trace_id, "", "", "(root not exported)", "", first.start_ns, last.end_ns)
-        root = Node(placeholder)
+        root = SpanNode(placeholder)
     for span in members:
         node = nodes[span.span_id]
         if node is root:
@@ -278,10 +278,10 @@ def key_attributes(span: Span, seqs: Mapping[str, int] | None = None) -> dict[st
     return shown
 
 
-def _visible(node: Node, all_spans: bool, hidden: Counter[str]) -> list[Node]:
+def _visible(node: SpanNode, all_spans: bool, hidden: Counter[str]) -> list[SpanNode]:
     """The node's children, with Kafka spans replaced by their children unless `all_spans`;
     each replaced span is counted in `hidden` by name."""
-    out: list[Node] = []
+    out: list[SpanNode] = []
     for child in node.children:
         if child.span.kind == "kafka" and not all_spans:
             hidden[child.span.name] += 1
@@ -307,7 +307,7 @@ def render(path: EpisodePath, *, all_spans: bool = False) -> str:
     lines = [f"episode {path.episode_id}  trace {path.trace_id}"]
     hidden: Counter[str] = Counter()
 
-    def walk(node: Node, depth: int) -> None:
+    def walk(node: SpanNode, depth: int) -> None:
         lines.append("  " * depth + _line(node.span, path.seqs, node.orphan))
         for child in _visible(node, all_spans, hidden):
             walk(child, depth + 1)
@@ -347,7 +347,7 @@ def to_json(path: EpisodePath, *, all_spans: bool = False) -> dict[str, Any]:
     """The same structure as `render`, as JSON-ready data."""
     hidden: Counter[str] = Counter()
 
-    def node_json(node: Node) -> dict[str, Any]:
+    def node_json(node: SpanNode) -> dict[str, Any]:
         children = [node_json(c) for c in _visible(node, all_spans, hidden)]
         return {**_span_json(node.span, path.seqs), "orphan": node.orphan, "children": children}
 

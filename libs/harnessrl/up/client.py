@@ -23,7 +23,7 @@ class StackError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class Stack:
+class RunningStack:
     bootstrap: str
     traces: Path
     urls: dict[str, str]
@@ -45,7 +45,7 @@ async def stack_for(
     env: Mapping[str, str] = {},
     without: Sequence[str] = (),
     ready_timeout_s: float = 300.0,
-) -> AsyncIterator[Stack]:
+) -> AsyncIterator[RunningStack]:
     """The running stack of `stack_file`, or (None) one started now with `harnessrl up
     --config config --workdir workdir`, its output in `log_path`, `env` on top of this
     process's environment, the services named in `without` left out; stopped (SIGINT, an
@@ -88,12 +88,12 @@ async def stack_for(
         await _stop(process)
 
 
-def read_stack(path: Path) -> Stack:
+def read_stack(path: Path) -> RunningStack:
     """The stack a `harnessrl up` stack file describes; StackError when it is not one."""
     try:
         data = json.loads(path.read_text())
         config = data.get("config")
-        return Stack(
+        return RunningStack(
             bootstrap=data["bootstrap"],
             traces=Path(data["traces"]),
             urls={name: s["url"] for name, s in data["services"].items()},
