@@ -23,9 +23,9 @@ protos: venv  ## regenerate libs/harnessrl/v1 from protos/
 	$(BIN)/python protos/generate.py
 
 lint: venv
-	$(BIN)/ruff check libs services bench tests protos examples
-	$(BIN)/ruff format --check libs services bench tests protos examples
-	$(BIN)/mypy
+	$(BIN)/ruff check libs services apps bench tests protos examples
+	$(BIN)/ruff format --check libs services apps bench tests protos examples
+	$(BIN)/python tests/typecheck.py
 
 # bubblewrap, which the sandbox of local harness runs needs (tests/integration/
 # test_harness_sandbox.py; skipped without it unless CI=true). CI starts as root on a clean

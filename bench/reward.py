@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-
+from harnessrl.apps.swe.tasks import SweTask, read_records, to_harnessrl
 from harnessrl.services.reward.config import TestsSettings
 from harnessrl.services.reward.episode import standalone_episode
 from harnessrl.services.reward.patch_tests import TestsReward
-from harnessrl.swe.tasks import SweTask, read_records, to_harnessrl
 
 NOOP_FILE = "HARNESSRL_BENCH_NOTES.md"
 

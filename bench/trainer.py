@@ -45,7 +45,6 @@ from harnessrl.command import CliError
 
 if TYPE_CHECKING:
     import torch
-
     from harnessrl.services.trainer.config import TrainerSection
     from harnessrl.services.trainer.packing import MicroBatch, SampleArrays
     from harnessrl.services.trainer.policy import Policy
@@ -74,6 +73,7 @@ def synthetic_batch(
     """`samples` seeded samples (see the module docstring), one episode each, built from
     pb.Sample protos as the trainer receives them."""
     from harnessrl.services.trainer.packing import SampleArrays
+
     from harnessrl.v1 import events_pb2 as pb
 
     out = []
@@ -216,7 +216,6 @@ class Row:
 
 def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     import torch
-
     from harnessrl.services.trainer.config import LoraSection, TrainerSection
     from harnessrl.services.trainer.policy import Policy, device_for
 
@@ -299,7 +298,6 @@ def alternate(
     """Per batch: a trainer step, then a bare step over `pack`'s micro-batches of the same
     samples (packed before the clock starts). CUDA is synchronised around each timing."""
     import torch
-
     from harnessrl.services.trainer.packing import normalization_weights, pack
 
     device, loss = policy.device, policy.settings.loss

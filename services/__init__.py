@@ -2,5 +2,5 @@
 
 Each service package holds `__main__.py` (entry point only), `config.py` (its settings
 section), `service.py` (lifecycle and wiring) and its domain modules. This directory is
-importable as `harnessrl.services` through the link libs/harnessrl/services.
+the package `harnessrl.services` (pyproject.toml maps it).
 """

@@ -1,5 +1,5 @@
 """The pinned six (and tabulate), fetched and with its environment, shared by the integration
-tests of harnessrl.swe and builtin:tests (the `six_ready` and `tabulate_ready` session
+tests of harnessrl.apps.swe and builtin:tests (the `six_ready` and `tabulate_ready` session
 fixtures): built once, at the paths `harnessrl swe synth --out root` uses, so a synth run
 there reuses them."""
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from harnessrl.swe.env import environment
-from harnessrl.swe.fetch import checkout
-from harnessrl.swe.projects import Project, pinned
+from harnessrl.apps.swe.env import environment
+from harnessrl.apps.swe.fetch import checkout
+from harnessrl.apps.swe.projects import Project, pinned
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,6 @@
 
 import sys
 
-from harnessrl.cli import main
+from harnessrl.apps.cli import main
 
 sys.exit(main())

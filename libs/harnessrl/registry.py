@@ -53,7 +53,9 @@ class ServiceSpec:
 
 _S = "harnessrl.services"
 SERVICES: tuple[ServiceSpec, ...] = (
-    ServiceSpec("broker", "harnessrl.cli.broker", "harnessrl.broker:BrokerConfig", "broker", 0),
+    ServiceSpec(
+        "broker", "harnessrl.apps.cli.broker", "harnessrl.broker:BrokerConfig", "broker", 0
+    ),
     ServiceSpec(
         "inference",
         f"{_S}.inference.cli",

@@ -33,7 +33,6 @@ from typing import Any
 
 import orjson
 import yaml
-
 from harnessrl.services.controller.runner import LaunchSpec
 
 PLACEHOLDERS = frozenset(

@@ -24,15 +24,6 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 import orjson
-from opentelemetry import context as otel_context
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
-
-from harnessrl.bus import Producer
-from harnessrl.episode_token import EpisodeClaims
-from harnessrl.http import Request, Response, SseDecoder, StreamingResponse
-from harnessrl.http.errors import ConnectionClosedError
-from harnessrl.logs import get_logger
 from harnessrl.services.gateway.budget import Budget
 from harnessrl.services.gateway.capture import Completion, Exchange, aligned, model_calls, take
 from harnessrl.services.gateway.config import GatewaySection
@@ -50,6 +41,15 @@ from harnessrl.services.gateway.episodes import EpisodeBook, OpenEpisode
 from harnessrl.services.gateway.errors import render_engine, respond
 from harnessrl.services.gateway.metrics import GatewayMetrics
 from harnessrl.services.gateway.versions import EngineVersions
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from harnessrl.bus import Producer
+from harnessrl.episode_token import EpisodeClaims
+from harnessrl.http import Request, Response, SseDecoder, StreamingResponse
+from harnessrl.http.errors import ConnectionClosedError
+from harnessrl.logs import get_logger
 from harnessrl.telemetry import extract_context, span_ids
 
 log = get_logger(__name__)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from harnessrl.retry import RetryableError, is_retryable
 from harnessrl.services.inference.follower import VersionGone
+
+from harnessrl.retry import RetryableError, is_retryable
 
 
 class VllmUnusable(Exception):

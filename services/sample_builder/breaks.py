@@ -13,7 +13,6 @@ from enum import StrEnum
 
 import numpy as np
 import numpy.typing as npt
-
 from harnessrl.services.sample_builder.calls import Call, Decode, Ids, Mask
 from harnessrl.services.sample_builder.tree import CallNode, ids_of
 

@@ -16,8 +16,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from harnessrl.events import varint
 from harnessrl.services.sample_builder.advantages import advantages
 from harnessrl.services.sample_builder.config import SampleBuilderSection
 from harnessrl.services.sample_builder.group import Group, GroupEpisode
@@ -30,6 +28,8 @@ from harnessrl.services.sample_builder.merging import (
     merge,
     truncate,
 )
+
+from harnessrl.events import varint
 from harnessrl.v1 import events_pb2 as pb
 
 Decode = Callable[[Sequence[int]], str]

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
-
 from harnessrl.services.sample_builder.calls import Call, Ids
 
 

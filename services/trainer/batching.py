@@ -14,6 +14,7 @@ from collections.abc import Set
 from dataclasses import dataclass, field
 
 from harnessrl.services.trainer.packing import SampleArrays
+
 from harnessrl.v1 import events_pb2 as pb
 
 

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
-
 from harnessrl.services.trainer.packing import MicroBatch
 
 

@@ -21,8 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from harnessrl.logs import get_logger
 from harnessrl.services.trainer import tensors
 from harnessrl.services.trainer.config import TrainerSection
 from harnessrl.services.trainer.distributed import World
@@ -45,6 +43,8 @@ from harnessrl.services.trainer.packing import (
 from harnessrl.services.trainer.plan import check_fits
 from harnessrl.services.trainer.precision import compute_dtype
 from harnessrl.services.trainer.sharding import full, is_sharded, shard
+
+from harnessrl.logs import get_logger
 
 log = get_logger(__name__)
 

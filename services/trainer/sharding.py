@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-
 from harnessrl.services.trainer.config import ShardingSection
 
 

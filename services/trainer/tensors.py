@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file, save_model
-from torch.distributed.checkpoint.api import CheckpointException
-
 from harnessrl.services.trainer.distributed import World
 from harnessrl.services.trainer.sharding import full, is_sharded
+from safetensors.torch import save_file, save_model
+from torch.distributed.checkpoint.api import CheckpointException
 
 DCP = "dcp"
 SCHEDULER = "scheduler.pt"

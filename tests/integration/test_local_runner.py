@@ -13,7 +13,6 @@ from typing import Any
 
 import orjson
 import pytest
-
 from harnessrl.services.controller.local import LocalRunner
 from harnessrl.services.controller.runner import LaunchSpec, RunResult
 

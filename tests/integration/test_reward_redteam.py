@@ -25,14 +25,14 @@ from typing import Any
 
 import orjson
 import pytest
-
+from harnessrl.apps.swe.env import run_command
+from harnessrl.apps.swe.holdback import function_of
+from harnessrl.apps.swe.mutate import mutations
+from harnessrl.apps.swe.synth import SynthSettings, synthesize_one
+from harnessrl.apps.swe.tasks import parse_task, to_harnessrl
 from harnessrl.services.reward import config, patch_tests
 from harnessrl.services.reward.episode import Score
-from harnessrl.swe.env import run_command
-from harnessrl.swe.holdback import function_of
-from harnessrl.swe.mutate import mutations
-from harnessrl.swe.synth import SynthSettings, synthesize_one
-from harnessrl.swe.tasks import parse_task, to_harnessrl
+
 from tests.helpers import eventually
 from tests.repo_helpers import coding_episode, git, write_files
 from tests.six import SixReady
@@ -633,7 +633,7 @@ def test_bench_reward_prints_seconds_per_patch_against_the_bare_run(
 ) -> None:
     """`harnessrl bench reward` on one task: its JSON line, gold 1 and the no-op patch 0
     (timings are the benchmark's output, not asserted)."""
-    from harnessrl.cli import main
+    from harnessrl.apps.cli import main
 
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_bytes(orjson.dumps(six_print.record) + b"\n")

@@ -1,4 +1,4 @@
-"""A pinned project's test environment and baseline (harnessrl.swe.env) on a real sdist:
+"""A pinned project's test environment and baseline (harnessrl.apps.swe.env) on a real sdist:
 the suite passes from the working copy, the environment holds no copy of the project, and
 a bug injected in the copy shows as failing tests with the runner's text."""
 
@@ -9,10 +9,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from harnessrl.apps.swe.env import environment, reliable_passes, run_tests
+from harnessrl.apps.swe.fetch import checkout
+from harnessrl.apps.swe.mutate import mutations
 
-from harnessrl.swe.env import environment, reliable_passes, run_tests
-from harnessrl.swe.fetch import checkout
-from harnessrl.swe.mutate import mutations
 from tests.six import SixReady
 
 pytestmark = pytest.mark.integration

@@ -8,9 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from harnessrl.swe.fetch import FetchError, checkout
-from harnessrl.swe.projects import PINNED, pinned
+from harnessrl.apps.swe.fetch import FetchError, checkout
+from harnessrl.apps.swe.projects import PINNED, pinned
 
 pytestmark = pytest.mark.integration
 

@@ -2,7 +2,7 @@
 
 The task is built from a real project as the SWE pipeline builds one: six's pinned sdist
 (downloaded from the package index: needs network), its test environment (a venv with
-pytest, never six itself), a bug injected with `harnessrl.swe.mutate` (`print_ is None`
+pytest, never six itself), a bug injected with `harnessrl.apps.swe.mutate` (`print_ is None`
 made `is not None`: six takes its Python 2 print fallback, two tests fail) and the buggy
 tree committed as the task repository's only commit. The gold patch is the diff back to
 the released six.py. Every attack below is a real patch (`git diff` of a clone, as a
@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
+from harnessrl.apps.swe.mutate import mutations
 from harnessrl.services.reward import config, patch_tests
 from harnessrl.services.reward.episode import Score
-from harnessrl.swe.mutate import mutations
+
 from tests.repo_helpers import coding_episode, git, write_files
 from tests.six import SixReady
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harnessrl.chaos.reconcile import Books, reconcile
+from harnessrl.apps.chaos.reconcile import Books, reconcile
 from harnessrl.services.trainer.journal import StepJournal, read
+
 from harnessrl.v1 import events_pb2 as pb
 
 

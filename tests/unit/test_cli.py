@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _harnessrl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "harnessrl.cli", *args],
+        [sys.executable, "-m", "harnessrl.apps.cli", *args],
         check=False,
         capture_output=True,
         text=True,
@@ -24,7 +24,7 @@ def _harnessrl(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
 
 def test_help_imports_nothing_heavy() -> None:
     code = (
-        "import sys, harnessrl.cli as c; c.build_parser().format_help();"
+        "import sys, harnessrl.apps.cli as c; c.build_parser().format_help();"
         "heavy = [m for m in ('torch', 'aiokafka', 'opentelemetry', 'grpc', 'transformers',"
         " 'pydantic') if m in sys.modules]; print(heavy)"
     )

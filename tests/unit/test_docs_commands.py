@@ -18,8 +18,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
-from harnessrl.cli import build_parser
+from harnessrl.apps.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = (
@@ -218,7 +217,7 @@ def test_the_image_entry_point_is_the_cli_and_its_default_command_parses() -> No
     dockerfile = ROOT / "deploy" / "Dockerfile"
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert dockerfile_json(dockerfile, "ENTRYPOINT") == ["harnessrl"]
-    assert scripts["harnessrl"] == "harnessrl.cli:main"
+    assert scripts["harnessrl"] == "harnessrl.apps.cli:main"
     cmd = dockerfile_json(dockerfile, "CMD")
     with pytest.raises(SystemExit) as done:
         build_parser().parse_args(cmd)

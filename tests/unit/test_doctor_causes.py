@@ -3,8 +3,8 @@ verdict helpers."""
 
 from __future__ import annotations
 
-from harnessrl.doctor.causes import explain, locate
-from harnessrl.doctor.checks import FAIL, NA, OK, WARN, Check, at_least, at_most, stats, worst
+from harnessrl.apps.doctor.causes import explain, locate
+from harnessrl.apps.doctor.checks import FAIL, NA, OK, WARN, Check, at_least, at_most, stats, worst
 
 
 def chars(ids: list[int]) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from harnessrl.doctor.wire_read import (
+from harnessrl.apps.doctor.wire_read import (
     MARKUPS,
     counter_delta,
     overrides,
@@ -14,6 +14,7 @@ from harnessrl.doctor.wire_read import (
     unparsed_cause,
 )
 from harnessrl.services.gateway.config import GatewaySection
+
 from harnessrl.v1 import events_pb2 as pb
 
 

@@ -9,12 +9,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from harnessrl.apps.cli import build_parser, main
+from harnessrl.apps.cli.episode import shell_exports
+from harnessrl.apps.up.manual_episodes import ManualEpisode
+from harnessrl.apps.up.stackfile import STACK_FILE, GatewayAccess, write_stack_file
 
 from harnessrl.broker import free_port
-from harnessrl.cli import build_parser, main
-from harnessrl.cli.episode import shell_exports
-from harnessrl.up.manual_episodes import ManualEpisode
-from harnessrl.up.stackfile import STACK_FILE, GatewayAccess, write_stack_file
 
 OPEN_FLAGS = ["--mode", "--stack", "--group", "--ttl", "--json"]
 CLOSE_FLAGS = ["--attempt", "--group", "--stack", "--reason", "--json"]

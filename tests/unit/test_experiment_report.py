@@ -6,9 +6,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from harnessrl.apps.experiment.report import write_report
 from matplotlib import image
-
-from harnessrl.experiment.report import write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -8,7 +8,6 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from harnessrl.services.controller.forkserver import ForkServer, forkable
 
 SCRIPT = """

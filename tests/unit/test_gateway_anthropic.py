@@ -28,7 +28,6 @@ from anthropic.types import (
     ToolUseBlock,
 )
 from anthropic.types.shared import ErrorResponse
-
 from harnessrl.services.gateway.dialects.anthropic_request import (
     TOOL_ERROR_PREFIX,
     ChatRequest,

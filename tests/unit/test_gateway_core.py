@@ -7,10 +7,6 @@ import hmac
 import time
 
 import pytest
-from prometheus_client import CollectorRegistry
-
-from harnessrl.episode_token import EpisodeClaims
-from harnessrl.http import Request
 from harnessrl.services.gateway.admin import Admin
 from harnessrl.services.gateway.capture import Completion, take
 from harnessrl.services.gateway.config import SamplingOverrides
@@ -21,6 +17,10 @@ from harnessrl.services.gateway.dialects.openai_completions import CompletionsDi
 from harnessrl.services.gateway.dialects.openai_passthrough import Passthrough
 from harnessrl.services.gateway.episodes import EpisodeBook, EpisodeClosedError
 from harnessrl.services.gateway.metrics import GatewayMetrics
+from prometheus_client import CollectorRegistry
+
+from harnessrl.episode_token import EpisodeClaims
+from harnessrl.http import Request
 
 CLAIMS = EpisodeClaims("ep", 1, "g", "train", time.time() + 86_400)
 
@@ -245,6 +245,7 @@ def test_an_episode_ranks_engines_the_same_way_every_time() -> None:
 
 def test_an_engine_version_is_its_highest_successful_load_and_snapshots_stay_put() -> None:
     from harnessrl.services.gateway.versions import EngineVersions
+
     from harnessrl.v1 import events_pb2 as pb
 
     versions = EngineVersions()

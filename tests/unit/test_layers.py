@@ -1,14 +1,15 @@
 """The project's layers point down only, and no import cycle exists.
 
-    applications (cli, up, experiment, doctor, chaos, swe, bench, __main__)
+    applications (harnessrl.apps.*: cli, up, experiment, doctor, chaos, swe; harnessrl.bench;
+                  harnessrl.__main__, the program)
         -> services (harnessrl.services.*)
             -> the trust path (harnessrl.trust, when it is a package) and the platform
                (every other module of harnessrl: bus, http, telemetry, weights, config, ...)
                 -> generated protobuf code (harnessrl.v1)
 
 Every import counts, at module level or inside a function, under TYPE_CHECKING or not: a
-deferred import is still a dependency. Modules are read from where they live (libs/,
-services/, bench/), never through the symlinks. The sizes of the layers are printed
+deferred import is still a dependency. Modules are read from the folders pyproject.toml maps
+their packages to (libs/harnessrl, services/, apps/, bench/). The sizes of the layers are printed
 (`pytest -s` shows them); the trust path may not pass 3,500 lines.
 """
 
@@ -19,30 +20,23 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-APPLICATIONS = frozenset({"cli", "up", "experiment", "doctor", "chaos", "swe", "bench", "__main__"})
+from tests.typecheck import package_folders
+
+APPLICATIONS = frozenset({"apps", "bench", "__main__"})
 LAYERS = ("generated", "platform", "trust", "services", "applications")
 RANK = {"generated": 0, "platform": 1, "trust": 1, "services": 2, "applications": 3}
 TRUST_LIMIT = 3500
 
 
 def _sources() -> dict[str, Path]:
-    """Module name -> file, for every module of the project (generated code aside)."""
+    """Module name -> file, for every module the wheel installs (generated code aside), read
+    from the folders pyproject.toml maps each package to."""
     found: dict[str, Path] = {}
-    roots = [
-        (ROOT / "libs" / "harnessrl", ["harnessrl"]),
-        (ROOT / "services", ["harnessrl", "services"]),
-        (ROOT / "bench", ["harnessrl", "bench"]),
-    ]
-    for root, prefix in roots:
-        for path in sorted(root.rglob("*.py")):
-            parts = path.relative_to(root).with_suffix("").parts
-            if root.name == "harnessrl" and parts[0] in ("services", "bench", "v1"):
-                continue  # the symlinks, and generated code
-            names = [*prefix, *parts]
-            if names[-1] == "__init__":
-                names = names[:-1]
-            found[".".join(names)] = path
+    for package, folder in package_folders().items():
+        if package == "harnessrl.v1":
+            continue
+        for path in sorted(folder.glob("*.py")):
+            found[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
     return found
 
 
@@ -148,8 +142,8 @@ def test_the_checks_see_what_they_look_for() -> None:
     graph = _graph()
     assert "harnessrl.services.reward.jail" in graph["harnessrl.services.reward.patch_tests"]
     assert "harnessrl.bubblewrap" in graph["harnessrl.services.reward.jail"]
-    assert layer("harnessrl.swe.synth") == "applications"
+    assert layer("harnessrl.apps.swe.synth") == "applications"
     assert layer("harnessrl.services.gateway.capture") == "services"
     assert layer("harnessrl.bus") == "platform"
     # a deferred import counts (swe.env imports the reward's jail inside a function)
-    assert "harnessrl.services.reward.jail" in graph["harnessrl.swe.env"]
+    assert "harnessrl.services.reward.jail" in graph["harnessrl.apps.swe.env"]

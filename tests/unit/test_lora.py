@@ -11,8 +11,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
 from harnessrl.services.inference.adapter import LoraOverlay
 from harnessrl.services.trainer.config import LoraSection, TrainerSection
 from harnessrl.services.trainer.distributed import World
@@ -25,6 +23,8 @@ from harnessrl.services.trainer.lora import (
 )
 from harnessrl.services.trainer.packing import SampleArrays
 from harnessrl.services.trainer.policy import Policy
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
 from harnessrl.v1 import weights_pb2 as pb
 from harnessrl.weights import WeightSyncError, build_manifest, verify_manifest
 from harnessrl.weights.adapter import base_checksum, check_base

@@ -10,9 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from harnessrl.services.sample_builder.merging import (
     BreakKind,
     Call,
@@ -23,6 +20,9 @@ from harnessrl.services.sample_builder.merging import (
     merge,
     truncate,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tests.merge_cases import Episode, episodes, injective_decode, make_call
 
 if TYPE_CHECKING:

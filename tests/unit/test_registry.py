@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from harnessrl.apps.chaos import KILLABLE
+from harnessrl.apps.cli import build_parser
+from harnessrl.apps.cli.config_cmd import SERVICES as SHOWN
+from harnessrl.apps.up.plan import OPTIONAL
 
 from harnessrl import registry
-from harnessrl.chaos import KILLABLE
-from harnessrl.cli import build_parser
-from harnessrl.cli.config_cmd import SERVICES as SHOWN
 from harnessrl.config import ServiceConfig
-from harnessrl.up.plan import OPTIONAL
 
 
 def _subcommands() -> set[str]:

@@ -11,10 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from harnessrl.up import manual_episodes
-from harnessrl.up.plan import UpError, build_plan
-from harnessrl.up.stackfile import (
+from harnessrl.apps.up import manual_episodes
+from harnessrl.apps.up.plan import UpError, build_plan
+from harnessrl.apps.up.stackfile import (
     MANUAL_EPISODES_FILE,
     STACK_FILE,
     GatewayAccess,

@@ -1,4 +1,4 @@
-"""Cleaning imported SWE-bench-format tasks (harnessrl.swe.clean, harnessrl.swe.tasks): a
+"""Cleaning imported SWE-bench-format tasks (harnessrl.apps.swe.clean, harnessrl.apps.swe.tasks): a
 file in the public datasets' field names, one task per drop reason, the answers written
 down; and the split by project."""
 
@@ -10,9 +10,8 @@ from typing import Any
 
 import orjson
 import pytest
-
-from harnessrl.swe.clean import CleanSettings, clean, split_by_project
-from harnessrl.swe.tasks import SweTask, is_test_path, patch_paths, read_records, to_record
+from harnessrl.apps.swe.clean import CleanSettings, clean, split_by_project
+from harnessrl.apps.swe.tasks import SweTask, is_test_path, patch_paths, read_records, to_record
 
 STATEMENT = (
     "Calling `Money.split(3)` on 10.00 returns parts that add up to 9.99: a cent is lost "
@@ -164,7 +163,7 @@ def test_projects_are_split_never_their_tasks(projects: int) -> None:
 def test_the_cli_writes_the_kept_tasks_with_their_split_and_prints_the_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from harnessrl.cli import main
+    from harnessrl.apps.cli import main
 
     records = [_task("a-1"), _task("b-1", repo="acme/b"), _task("short", problem_statement="?")]
     path = tmp_path / "in.jsonl"

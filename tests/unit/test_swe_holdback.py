@@ -1,11 +1,11 @@
 """Which failing tests a synthesized task holds back, and how they are cut from a test file
-(harnessrl.swe.holdback)."""
+(harnessrl.apps.swe.holdback)."""
 
 from __future__ import annotations
 
 import ast
 
-from harnessrl.swe.holdback import choose, cut, function_of
+from harnessrl.apps.swe.holdback import choose, cut, function_of
 
 SOURCE = """import pytest
 

@@ -1,4 +1,4 @@
-"""Candidate bugs by AST mutation (harnessrl.swe.mutate): each a one-point edit of the
+"""Candidate bugs by AST mutation (harnessrl.apps.swe.mutate): each a one-point edit of the
 original text that compiles, with the answers for a small module written down."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import inspect
 import json
 import textwrap
 
-from harnessrl.swe.mutate import KINDS, mutations
+from harnessrl.apps.swe.mutate import KINDS, mutations
 
 SOURCE = textwrap.dedent(
     '''\

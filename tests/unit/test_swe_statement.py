@@ -1,4 +1,4 @@
-"""Problem statements from what fails (harnessrl.swe.statement): from a real pytest run's
+"""Problem statements from what fails (harnessrl.apps.swe.statement): from a real pytest run's
 JUnit report, the failing tests, their assertion messages and test-code frames, never the
 project's code nor the fix."""
 
@@ -11,8 +11,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
-from harnessrl.swe.statement import Failure, problem_statement
+from harnessrl.apps.swe.statement import Failure, problem_statement
 
 BUGGY = textwrap.dedent(
     """\

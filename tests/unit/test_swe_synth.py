@@ -1,4 +1,4 @@
-"""Task synthesis and validation offline (harnessrl.swe.synth, validate, tasks.to_harnessrl):
+"""Task synthesis and validation offline (harnessrl.apps.swe.synth, validate, tasks.to_harnessrl):
 a small real project in a local git repository, this venv's pytest as its environment. The
 stages run for real: baseline, candidate bugs, full-suite checks, one repository per task,
 validation before and after the gold patch, resuming; the answers are written down."""
@@ -13,12 +13,12 @@ from pathlib import Path
 import orjson
 import pytest
 import yaml
+from harnessrl.apps.swe.projects import Project
+from harnessrl.apps.swe.repository import task_repository, unified_patch
+from harnessrl.apps.swe.synth import SynthSettings, code_files, synthesize
+from harnessrl.apps.swe.tasks import SweTask, parse_task, patch_paths, to_harnessrl
+from harnessrl.apps.swe.validate import ValidateSettings, validate
 
-from harnessrl.swe.projects import Project
-from harnessrl.swe.repository import task_repository, unified_patch
-from harnessrl.swe.synth import SynthSettings, code_files, synthesize
-from harnessrl.swe.tasks import SweTask, parse_task, patch_paths, to_harnessrl
-from harnessrl.swe.validate import ValidateSettings, validate
 from harnessrl.tasks import TaskLine
 from tests.repo_helpers import coding_episode, git, make_repo
 
@@ -163,8 +163,8 @@ async def test_a_synthesized_task_scores_1_with_its_gold_patch(
 
 
 def test_the_report_placeholder_is_the_rewards() -> None:
+    from harnessrl.apps.swe.env import JUNIT_PLACEHOLDER
     from harnessrl.services.reward.coding_task import JUNIT_PLACEHOLDER as REWARDS
-    from harnessrl.swe.env import JUNIT_PLACEHOLDER
 
     assert JUNIT_PLACEHOLDER == REWARDS
 
@@ -235,8 +235,8 @@ def test_validation_drops_each_kind_of_invalid_task(pristine: Path) -> None:
 def test_the_coding_task_job_template_contains_harness_pods() -> None:
     """The Job template `swe synth` writes per project: the controller would refuse to start
     on one whose harness pods are not contained."""
+    from harnessrl.apps.swe.deploy import job_template
     from harnessrl.services.controller.kubernetes_job import JobTemplate
-    from harnessrl.swe.deploy import job_template
 
     text = job_template(PROJECT, "registry.example/calc-tasks:1")
     assert JobTemplate.parse(text, "default").uncontained() == []

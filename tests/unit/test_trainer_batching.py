@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from harnessrl.services.trainer.batching import Batcher
+
 from harnessrl.v1 import events_pb2 as pb
 
 

@@ -9,8 +9,6 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from harnessrl.services.trainer import loss as loss_module
 from harnessrl.services.trainer.loss import (
     LossSettings,
@@ -27,6 +25,8 @@ from harnessrl.services.trainer.packing import (
     normalization_weights,
     pack,
 )
+from transformers import AutoModelForCausalLM
+
 from tests.model_helpers import TINY
 
 MODES: list[Normalization] = ["token_mean", "episode_mean", "constant"]

@@ -4,7 +4,7 @@ Trainer side: WeightSyncServer(settings).publish(version, step, state_dict).
 Engine side: WeightSyncClient(address).fetch(version) -> FetchResult (verified tensors).
 vLLM: harnessrl.weights.vllm_worker (a worker extension and the pause/update/resume driver).
 
-Importing this package imports torch; nothing under harnessrl.cli imports it at module level.
+Importing this package imports torch; nothing under harnessrl.apps.cli imports it at module level.
 """
 
 from harnessrl.weights.allocator import tune_malloc

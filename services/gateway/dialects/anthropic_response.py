@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-
 from harnessrl.services.gateway.errors import ANTHROPIC
 
 RAW_ARGUMENTS_KEY = "_raw_arguments"

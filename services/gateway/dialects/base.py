@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from harnessrl.episode_token import EpisodeClaims
 from harnessrl.services.gateway.errors import ErrorShape
+
+from harnessrl.episode_token import EpisodeClaims
 
 
 class StreamRenderer(Protocol):

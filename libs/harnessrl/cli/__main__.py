@@ -1,7 +1,0 @@
-"""`python -m harnessrl.cli` is the same as `harnessrl`."""
-
-import sys
-
-from harnessrl.cli import main
-
-sys.exit(main())

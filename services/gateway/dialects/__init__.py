@@ -1,0 +1,1 @@
+"""The dialects the gateway speaks: one module per client API family."""
