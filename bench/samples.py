@@ -143,9 +143,10 @@ def synthetic_group(
 
 def builder_round(groups: list[SyntheticGroup], phases: Phases) -> tuple[float, int]:
     """(seconds, sample token ids emitted) of building every group from its bytes."""
-    from harnessrl.services.sample_builder.building import build
     from harnessrl.services.sample_builder.config import SampleBuilderSection
-    from harnessrl.services.sample_builder.group import Group
+
+    from harnessrl.trust.group import Group
+    from harnessrl.trust.samples import build
 
     settings = SampleBuilderSection()
     seconds = phases.seconds
@@ -253,9 +254,10 @@ def measure_shapes(seed: int, log: Callable[[str], None]) -> dict[str, dict[str,
     """Per episode shape (bench/sample_shapes.py): the builder's sequence tokens over the
     least its chains need, sequences per episode, and calls built per second."""
     from harnessrl.bench.sample_shapes import SHAPES
-    from harnessrl.services.sample_builder.building import build
     from harnessrl.services.sample_builder.config import SampleBuilderSection
-    from harnessrl.services.sample_builder.group import Group
+
+    from harnessrl.trust.group import Group
+    from harnessrl.trust.samples import build
 
     out: dict[str, dict[str, float]] = {}
     for name, play in SHAPES.items():

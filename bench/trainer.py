@@ -46,8 +46,9 @@ from harnessrl.command import CliError
 if TYPE_CHECKING:
     import torch
     from harnessrl.services.trainer.config import TrainerSection
-    from harnessrl.services.trainer.packing import MicroBatch, SampleArrays
     from harnessrl.services.trainer.policy import Policy
+
+    from harnessrl.trust.packing import MicroBatch, SampleArrays
 
 TINY = Path("examples/tiny-model")
 
@@ -72,8 +73,7 @@ def synthetic_batch(
 ) -> list[SampleArrays]:
     """`samples` seeded samples (see the module docstring), one episode each, built from
     pb.Sample protos as the trainer receives them."""
-    from harnessrl.services.trainer.packing import SampleArrays
-
+    from harnessrl.trust.packing import SampleArrays
     from harnessrl.v1 import events_pb2 as pb
 
     out = []
@@ -298,7 +298,8 @@ def alternate(
     """Per batch: a trainer step, then a bare step over `pack`'s micro-batches of the same
     samples (packed before the clock starts). CUDA is synchronised around each timing."""
     import torch
-    from harnessrl.services.trainer.packing import normalization_weights, pack
+
+    from harnessrl.trust.packing import normalization_weights, pack
 
     device, loss = policy.device, policy.settings.loss
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-from harnessrl.services.sample_builder.merging import BreakKind, Call
 from hypothesis import strategies as st
+
+from harnessrl.trust.merging import BreakKind, Call
 
 VOCAB = st.integers(0, 30)
 MARKER = 1000  # ids from here on never come out of VOCAB: each break writes a fresh one

@@ -30,12 +30,12 @@ from harnessrl.apps.doctor.checks import (
 from harnessrl.apps.doctor.collect import Collected
 from harnessrl.apps.doctor.episode import EpisodeView
 from harnessrl.apps.doctor.wire_read import MARKUPS, read_call
-from harnessrl.services.sample_builder.building import build, to_call
 from harnessrl.services.sample_builder.config import SampleBuilderSection
-from harnessrl.services.sample_builder.group import Group
-from harnessrl.services.sample_builder.merging import merge
-from harnessrl.services.sample_builder.tree import ids_of
 
+from harnessrl.trust.group import Group
+from harnessrl.trust.merging import merge
+from harnessrl.trust.samples import build, to_call
+from harnessrl.trust.tree import ids_of
 from harnessrl.v1 import events_pb2 as pb
 
 Decode = Callable[[Sequence[int]], str]

@@ -1,6 +1,6 @@
 """A chain break in words: where in the conversation the prompt changed, and what to do.
 
-The merge (services/sample_builder/merging.py) says what kind of break started a chain and
+The merge (libs/harnessrl/trust/merging.py) says what kind of break started a chain and
 the token position of the first difference. Here both sides are decoded in full to find the
 message the difference falls in (its role, from the chat template's role headers) and the
 line within it, so the report can say "the system prompt changes on every call at line 3:

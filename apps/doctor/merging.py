@@ -10,9 +10,10 @@ from typing import Any
 from harnessrl.apps.doctor import causes
 from harnessrl.apps.doctor.checks import NA, OK, WARN, Check, at_most, share, stats
 from harnessrl.apps.doctor.episode import EpisodeView
-from harnessrl.services.sample_builder.building import to_call
-from harnessrl.services.sample_builder.merging import Break
-from harnessrl.services.sample_builder.tree import ids_of
+
+from harnessrl.trust.merging import Break
+from harnessrl.trust.samples import to_call
+from harnessrl.trust.tree import ids_of
 
 Decode = Callable[[Sequence[int]], str]
 

@@ -30,7 +30,6 @@ from typing import Any
 
 import orjson
 from harnessrl.services.gateway.admin import Admin
-from harnessrl.services.gateway.contract import CHAT_PATH, engine_request
 from harnessrl.services.gateway.control import Paused
 from harnessrl.services.gateway.depth import check_depth
 from harnessrl.services.gateway.dialects.base import Dialect
@@ -56,6 +55,7 @@ from harnessrl.episode_token import EpisodeClaims, TokenError, verify
 from harnessrl.health import health_body
 from harnessrl.http import Request, Response, StreamingResponse
 from harnessrl.logs import get_logger
+from harnessrl.trust.contract import CHAT_PATH, engine_request
 
 log = get_logger(__name__)
 

@@ -25,15 +25,7 @@ from typing import Any
 
 import orjson
 from harnessrl.services.gateway.budget import Budget
-from harnessrl.services.gateway.capture import Completion, Exchange, aligned, model_calls, take
 from harnessrl.services.gateway.config import GatewaySection
-from harnessrl.services.gateway.contract import (
-    CHAT_PATH,
-    VERSION_HEADER,
-    constrained,
-    engine_request,
-    policy_version,
-)
 from harnessrl.services.gateway.control import Gate
 from harnessrl.services.gateway.dialects.base import Dialect, EngineCall
 from harnessrl.services.gateway.engines import EnginePool
@@ -51,6 +43,21 @@ from harnessrl.http import Request, Response, SseDecoder, StreamingResponse
 from harnessrl.http.errors import ConnectionClosedError
 from harnessrl.logs import get_logger
 from harnessrl.telemetry import extract_context, span_ids
+from harnessrl.trust.capture import (
+    Completion,
+    Exchange,
+    StreamCapture,
+    aligned,
+    model_calls,
+    take,
+)
+from harnessrl.trust.contract import (
+    CHAT_PATH,
+    VERSION_HEADER,
+    constrained,
+    engine_request,
+    policy_version,
+)
 
 log = get_logger(__name__)
 
@@ -283,40 +290,38 @@ class _CallRun:
         """The harness's stream: each network read of the engine's stream is translated
         and written as one piece."""
         renderer = self._call.renderer.stream()
-        chat = self._call.path == CHAT_PATH
+        capture = StreamCapture(chat=self._call.path == CHAT_PATH)
         keep = self._life.settings.capture_bodies
-        completions: dict[int, Completion] = {}
         sent: list[bytes] = []
         decoder = SseDecoder()
-        done = failed = False
         try:
             while data := await response.read_chunk():
                 out: list[bytes] = []
                 for payload in decoder.feed(data):
-                    if payload[:1] != b"{" and payload.strip() == b"[DONE]":
-                        done = True
+                    chunk = capture.event(payload)
+                    if chunk is None:  # [DONE]
                         break
-                    chunk = orjson.loads(payload)
-                    if "error" in chunk or chunk.get("object") == "error":
-                        failed = True
+                    if capture.failed:
                         self.outcome = "engine_error"
                         out.append(renderer.fail(chunk))
                         break
-                    take(chunk, chat, completions)
                     if keep:
                         sent.append(payload)
                     out.append(renderer.feed(chunk))
-                if done:
+                if capture.finished:
                     self._capture(
-                        completions, engine, response.headers.get(VERSION_HEADER), b"\n".join(sent)
+                        capture.completions,
+                        engine,
+                        response.headers.get(VERSION_HEADER),
+                        b"\n".join(sent),
                     )
                     out.append(renderer.finish())
                 if out:
                     yield b"".join(out)
-                if done or failed:
+                if capture.done or capture.failed:
                     break
-            if not (done or failed):  # the harness's stream is cut too, as the engine's was
-                self.outcome = "engine_cut"
+            if not (capture.done or capture.failed):  # the harness's stream is cut, as the
+                self.outcome = "engine_cut"  # engine's was
                 raise ConnectionClosedError(f"{engine}: the stream ended before its [DONE]")
         finally:
             await self._over(stack)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-from harnessrl.services.sample_builder.building import Built
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from harnessrl.metrics import Labelled
+from harnessrl.trust.samples import Built
 from harnessrl.v1 import events_pb2 as pb
 
 _REWARD_BUCKETS = (-1, -0.5, 0, 0.25, 0.5, 0.75, 1, 2, 10)

@@ -17,9 +17,7 @@ from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from typing import Any
 
-from harnessrl.services.sample_builder.building import Built, Decode, build
 from harnessrl.services.sample_builder.config import SampleBuilderConfig
-from harnessrl.services.sample_builder.group import Group
 from harnessrl.services.sample_builder.metrics import SampleMetrics
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Link, SpanContext, TraceFlags
@@ -39,6 +37,8 @@ from harnessrl.bus.snapshot import read_keys
 from harnessrl.logs import get_logger
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
+from harnessrl.trust.group import Group
+from harnessrl.trust.samples import Built, Decode, build
 
 log = get_logger(__name__)
 

@@ -12,7 +12,7 @@ from harnessrl.weights.settings import WeightSyncSettings
 
 
 class LossSection(Section):
-    """The policy-gradient loss (formulas in harnessrl.services.trainer.loss)."""
+    """The policy-gradient loss (formulas in harnessrl.trust.loss)."""
 
     normalization: Literal["token_mean", "episode_mean", "constant"] = "episode_mean"
     """token_mean: every token counts the same; episode_mean: each episode's tokens are

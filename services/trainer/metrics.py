@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from harnessrl.services.trainer.policy import StepStats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from harnessrl.metrics import Labelled
+from harnessrl.trust.step import StepStats
 
 
 class TrainerMetrics:

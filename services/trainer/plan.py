@@ -347,7 +347,7 @@ def _activation_bytes(shape: ModelShape, tokens: int, compute: int) -> tuple[int
     head = 8 * h + (2 * h if compute == 2 else 4 * h)
     # fp32 forward, log_softmax and grad; beside them, the entropy statistic's chunk (~16
     # bytes an element: the gathered rows, scaled, log-probs, their product).
-    from harnessrl.services.trainer.loss import ENTROPY_CHUNK_ELEMENTS
+    from harnessrl.trust.loss import ENTROPY_CHUNK_ELEMENTS
 
     rows = max(1, ENTROPY_CHUNK_ELEMENTS // shape.vocab)
     logits = 3 * 4 * tokens * shape.vocab + 16 * min(tokens, rows) * shape.vocab

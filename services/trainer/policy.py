@@ -1,12 +1,11 @@
-"""The model being trained and its optimiser step: one readable loop.
+"""The model being trained: loaded, sharded, stepped, saved and published.
 
     policy = Policy.load(settings, world)
     stats = policy.step(batch.samples)       # every rank, the same samples
 
-A step computes the normalization weights over the whole batch, packs it into
-micro-batches, runs this rank's share of them forward and backward (gradients accumulate),
-sums gradients across ranks, clips, and takes one AdamW step. The weights stay float32;
-on CUDA the forward runs under bf16 autocast.
+The step itself is harnessrl.trust.step (weights, packing, forward and backward, clip, one
+AdamW step); this module gives it the model, the optimiser, and the ranks' way of sharing
+the work. The weights stay float32; on CUDA the forward runs under bf16 autocast.
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,49 +23,16 @@ from harnessrl.services.trainer import tensors
 from harnessrl.services.trainer.config import TrainerSection
 from harnessrl.services.trainer.distributed import World
 from harnessrl.services.trainer.lora import adapter_tensors, apply_lora
-from harnessrl.services.trainer.loss import (
-    LossSettings,
-    LossStats,
-    entropy_from_logits,
-    logprobs_from_logits,
-    policy_loss,
-    token_logprobs,
-)
-from harnessrl.services.trainer.packing import (
-    MicroBatch,
-    SampleArrays,
-    normalization_weights,
-    pack,
-    padding_fraction,
-)
 from harnessrl.services.trainer.plan import check_fits
 from harnessrl.services.trainer.precision import compute_dtype
 from harnessrl.services.trainer.sharding import full, is_sharded, shard
 
 from harnessrl.logs import get_logger
+from harnessrl.trust.loss import LossSettings
+from harnessrl.trust.packing import MicroBatch, SampleArrays
+from harnessrl.trust.step import StepSettings, StepStats, step
 
 log = get_logger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class StepStats:
-    loss: float
-    clip_fraction: float
-    dual_clip_fraction: float
-    kl: float
-    entropy: float
-    mismatch: float
-    """Mean |current - behaviour log-prob| per trained token: the train-inference mismatch
-    on a first pass (0 up to numerical noise when trainer and engine agree)."""
-    grad_norm: float
-    lr: float
-    tokens: int
-    """Trained (loss-mask) tokens of the batch."""
-    sequence_tokens: int
-    """All tokens of the batch's sequences."""
-    samples: int
-    padding: float
-    seconds: float
 
 
 class Policy:
@@ -95,11 +60,17 @@ class Policy:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
         )
         loss = settings.loss
-        self.loss_settings = LossSettings(
-            clip_low=loss.clip_low,
-            clip_high=loss.clip_high,
-            ratio_cap=loss.ratio_cap,
-            kl_coef=loss.kl_coef,
+        self.step_settings = StepSettings(
+            normalization=loss.normalization,
+            constant_tokens=loss.constant_tokens,
+            micro_batch_tokens=settings.micro_batch_tokens,
+            grad_clip=settings.grad_clip,
+            loss=LossSettings(
+                clip_low=loss.clip_low,
+                clip_high=loss.clip_high,
+                ratio_cap=loss.ratio_cap,
+                kl_coef=loss.kl_coef,
+            ),
         )
 
     @property
@@ -141,72 +112,22 @@ class Policy:
 
     def step(self, samples: list[SampleArrays]) -> StepStats:
         """One optimiser step on `samples` (the whole batch; every rank passes the same)."""
-        started = time.perf_counter()
-        settings = self.settings
-        weights = normalization_weights(
+        return step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
             samples,
-            settings.loss.normalization,
-            constant_tokens=settings.loss.constant_tokens,
-        )
-        batches = pack(samples, weights, micro_batch_tokens=settings.micro_batch_tokens)
-        stats = LossStats()
-        self.optimizer.zero_grad(set_to_none=True)
-        for share in self._share(batches):
-            batch = share.to(self.device)
-            with self._autocast():
-                logits = self.model(
-                    input_ids=batch.input_ids, attention_mask=batch.attention_mask
-                ).logits  # [B, T, V]
-            logp = logprobs_from_logits(logits, batch)  # [B, T]
-            entropy = entropy_from_logits(logits.detach(), batch)  # [B, T]
-            ref = None
-            if self.reference is not None:
-                with torch.no_grad(), self._autocast():
-                    ref = token_logprobs(self.reference, batch)  # [B, T]
-            loss, micro = policy_loss(logp, batch, self.loss_settings, ref, entropy)
-            loss.backward()  # type: ignore[no-untyped-call]
-            stats.add(micro)
-            del logits, logp, loss
-        if not self.sharded:  # FSDP reduce-scattered them during the backward passes
-            self.world.sum_gradients(self.model.parameters())
-        stats = LossStats.from_tensor(self.world.sum(stats.as_tensor().to(self.device)))
-        grad_norm = full(
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), settings.grad_clip)
-        )
-        lr = float(self.scheduler.get_last_lr()[0])
-        self.optimizer.step()
-        self.scheduler.step()
-        summary = stats.as_dict()
-        return StepStats(
-            loss=summary["loss"],
-            clip_fraction=summary["clip_fraction"],
-            dual_clip_fraction=summary["dual_clip_fraction"],
-            kl=summary["kl"],
-            entropy=summary["mean_entropy"],
-            mismatch=summary["mean_abs_logprob_diff"],
-            grad_norm=float(grad_norm),
-            lr=lr,
-            tokens=int(summary["tokens"]),
-            sequence_tokens=sum(len(s.token_ids) for s in samples),
-            samples=len(samples),
-            padding=padding_fraction(batches),
-            seconds=time.perf_counter() - started,
+            self.step_settings,
+            device=self.device,
+            reference=self.reference,
+            autocast=self._autocast,
+            ranks=_WorldRanks(self),
         )
 
     @property
     def sharded(self) -> bool:
         """The model is split across the ranks (FSDP2): parameters are DTensors."""
         return is_sharded(self.model)
-
-    def _share(self, batches: list[MicroBatch]) -> list[MicroBatch]:
-        """This rank's micro-batches. Under FSDP every rank must run as many forward and
-        backward passes as the others (each one is a collective), so the short ranks add
-        idle passes: a real row with every weight 0, which adds 0 to gradients and stats."""
-        mine = batches[self.world.rank :: self.world.size]
-        if not self.sharded or not batches:
-            return mine
-        rounds = -(-len(batches) // self.world.size)
-        return mine + [idle(batches[-1])] * (rounds - len(mine))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The tensors a version publishes, by name (DTensors when sharded: gather each with
@@ -252,6 +173,36 @@ class Policy:
 
 
 _COMMANDS = frozenset({"step", "gather", "save_tensors", "load_tensors"})
+
+
+class _WorldRanks:
+    """The trainer's ranks, for the step (trust/step.py): data-parallel, where each rank
+    holds the whole model and gradients are all-reduced after the backward passes, or FSDP2,
+    where parameters are sharded and reduce-scattered during them."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.world = policy.world
+        self.sharded = policy.sharded
+
+    def share(self, batches: list[MicroBatch]) -> list[MicroBatch]:
+        """This rank's micro-batches. Under FSDP every rank must run as many forward and
+        backward passes as the others (each one is a collective), so the short ranks add
+        idle passes: a real row with every weight 0, which adds 0 to gradients and stats."""
+        mine = batches[self.world.rank :: self.world.size]
+        if not self.sharded or not batches:
+            return mine
+        rounds = -(-len(batches) // self.world.size)
+        return mine + [idle(batches[-1])] * (rounds - len(mine))
+
+    def sum_gradients(self, model: torch.nn.Module) -> None:
+        if not self.sharded:  # FSDP reduce-scattered them during the backward passes
+            self.world.sum_gradients(model.parameters())
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        return self.world.sum(values)
+
+    def whole(self, value: torch.Tensor) -> torch.Tensor:
+        return full(value)
 
 
 def idle(batch: MicroBatch) -> MicroBatch:

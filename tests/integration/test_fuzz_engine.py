@@ -32,11 +32,20 @@ async def test_no_generated_request_gets_a_5xx_and_every_error_is_openai_shaped(
             # Half of the bodies name the served model and give each message content, so
             # that they reach the chat template and generation rather than all stopping at
             # "no such model" or "a user message needs content".
+            # Their budgets are kept inside the 96-token context too: a generated prompt or
+            # max_tokens past it is (rightly) a 400, and one run could otherwise have no
+            # completions request that generates at all.
             if flip and isinstance(case.body, dict):
-                case.body["model"] = served
-                for message in case.body.get("messages") or ():
+                body = case.body
+                body["model"] = served
+                for message in body.get("messages") or ():
                     if isinstance(message, dict) and message.get("content") is None:
                         message["content"] = "hi"
+                if "prompt" in body:
+                    body["prompt"] = _short(body["prompt"])
+                for budget in ("max_tokens", "max_completion_tokens"):
+                    if isinstance(body.get(budget), int) and body[budget] > 16:
+                        body[budget] = 16
 
         seen = await asyncio.to_thread(
             fuzz,
@@ -60,6 +69,18 @@ async def test_no_generated_request_gets_a_5xx_and_every_error_is_openai_shaped(
     finally:
         await service.stop()
         await task
+
+
+def _short(prompt: Any) -> Any:
+    """A generated prompt made short and in the tiny model's vocabulary (2,048 ids): texts
+    cut to 40 characters, token ids folded into range, lists cut to 40 items."""
+    if isinstance(prompt, str):
+        return prompt[:40] or "hi"
+    if isinstance(prompt, int) and not isinstance(prompt, bool):
+        return abs(prompt) % 2048
+    if isinstance(prompt, list):
+        return [_short(item) for item in prompt[:40]] or "hi"
+    return prompt
 
 
 async def test_a_prompt_of_no_tokens_is_a_400_and_the_engine_keeps_serving() -> None:

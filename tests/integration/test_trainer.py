@@ -25,8 +25,6 @@ import yaml
 from harnessrl.services.trainer import journal
 from harnessrl.services.trainer.checkpoint import Checkpoints
 from harnessrl.services.trainer.config import TrainerConfig, TrainerSection
-from harnessrl.services.trainer.loss import token_logprobs
-from harnessrl.services.trainer.packing import SampleArrays, normalization_weights, pack
 from harnessrl.services.trainer.policy import Policy
 from harnessrl.services.trainer.service import TrainerService
 from opentelemetry.sdk.trace import TracerProvider
@@ -37,6 +35,8 @@ from harnessrl.broker import EmbeddedBroker
 from harnessrl.bus import Producer
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
 from harnessrl.runtime import Runtime
+from harnessrl.trust.loss import token_logprobs
+from harnessrl.trust.packing import SampleArrays, normalization_weights, pack
 from harnessrl.v1 import events_pb2 as pb
 from tests.helpers import FAST_GROUP, events_on, eventually
 from tests.integration.test_policy_follow import engine

@@ -12,9 +12,10 @@ import random
 from collections.abc import Callable, Sequence
 
 import pytest
-from harnessrl.services.sample_builder.advantages import Estimator, advantages
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from harnessrl.trust.advantages import Estimator, advantages
 
 PROPERTY = settings(max_examples=150, deadline=None)
 ESTIMATORS: tuple[Estimator, ...] = ("grpo", "rloo", "mean")

@@ -9,8 +9,8 @@ import dataclasses
 import itertools
 
 import pytest
-from harnessrl.services.sample_builder.merging import BreakKind, Call, Dropped, Segment, merge
 
+from harnessrl.trust.merging import BreakKind, Call, Dropped, Segment, merge
 from tests.merge_cases import make_call
 
 SYSTEM = list(range(100, 110))

@@ -8,9 +8,7 @@ import time
 
 import pytest
 from harnessrl.services.gateway.admin import Admin
-from harnessrl.services.gateway.capture import Completion, take
 from harnessrl.services.gateway.config import SamplingOverrides
-from harnessrl.services.gateway.contract import CHAT_PATH, COMPLETIONS_PATH, engine_request
 from harnessrl.services.gateway.control import Gate, Paused
 from harnessrl.services.gateway.dialects.openai_chat import ChatDialect
 from harnessrl.services.gateway.dialects.openai_completions import CompletionsDialect
@@ -21,6 +19,8 @@ from prometheus_client import CollectorRegistry
 
 from harnessrl.episode_token import EpisodeClaims
 from harnessrl.http import Request
+from harnessrl.trust.capture import Completion, take
+from harnessrl.trust.contract import CHAT_PATH, COMPLETIONS_PATH, engine_request
 
 CLAIMS = EpisodeClaims("ep", 1, "g", "train", time.time() + 86_400)
 
@@ -72,7 +72,7 @@ def test_train_calls_sample_the_policys_own_distribution() -> None:
 
 
 def test_constrained_decoding_is_told_from_free_sampling() -> None:
-    from harnessrl.services.gateway.contract import constrained
+    from harnessrl.trust.contract import constrained
 
     tools = [{"type": "function", "function": {"name": "f"}}]
     assert constrained({"messages": []}) == ""

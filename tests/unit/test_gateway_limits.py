@@ -13,7 +13,6 @@ import pytest
 from anthropic.types import ModelInfo
 from anthropic.types.shared import ErrorResponse
 from harnessrl.services.gateway.budget import TEMPLATE_MARGIN, Budget
-from harnessrl.services.gateway.contract import TOKENIZE_PATH
 from harnessrl.services.gateway.depth import check_depth
 from harnessrl.services.gateway.errors import (
     ANTHROPIC,
@@ -30,6 +29,7 @@ from openai.types import ErrorObject, Model
 from prometheus_client import CollectorRegistry
 
 from harnessrl.http import ClientResponse
+from harnessrl.trust.contract import TOKENIZE_PATH
 
 # -- the JSON depth limit -----------------------------------------------------------------------
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import orjson
 from harnessrl.services.gateway.config import GatewaySection
-from harnessrl.services.gateway.contract import CHAT_PATH, engine_request
 from harnessrl.services.gateway.dialects.anthropic import MessagesDialect
 from harnessrl.services.gateway.dialects.anthropic_request import ChatRequest, messages_to_chat
 from harnessrl.services.gateway.dialects.base import Dialect
@@ -28,6 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harnessrl.episode_token import EpisodeClaims
+from harnessrl.trust.contract import CHAT_PATH, engine_request
 
 JSON: st.SearchStrategy[Any] = st.recursive(
     st.none()

@@ -143,7 +143,43 @@ def test_the_checks_see_what_they_look_for() -> None:
     assert "harnessrl.services.reward.jail" in graph["harnessrl.services.reward.patch_tests"]
     assert "harnessrl.bubblewrap" in graph["harnessrl.services.reward.jail"]
     assert layer("harnessrl.apps.swe.synth") == "applications"
-    assert layer("harnessrl.services.gateway.capture") == "services"
+    assert layer("harnessrl.services.gateway.lifecycle") == "services"
+    assert layer("harnessrl.trust.capture") == "trust"
+    assert "harnessrl.trust.capture" in graph["harnessrl.services.gateway.lifecycle"]
     assert layer("harnessrl.bus") == "platform"
     # a deferred import counts (swe.env imports the reward's jail inside a function)
     assert "harnessrl.services.reward.jail" in graph["harnessrl.apps.swe.env"]
+
+
+# What the trust path may import: computation, never I/O. No sockets, files, processes, event
+# loops, brokers, HTTP, gRPC, telemetry or logging: what it decides depends on its arguments
+# alone (and `time`, read only to report how long a step took).
+TRUST_MAY_IMPORT = frozenset(
+    {
+        "__future__", "collections", "collections.abc", "contextlib", "dataclasses", "enum",
+        "hashlib", "math", "time", "typing",
+        "numpy", "numpy.typing", "torch", "torch.nn.functional", "orjson",
+        "harnessrl.v1", "harnessrl.events", "harnessrl.episode_token",
+    }
+)  # fmt: skip
+
+
+def test_the_trust_path_is_pure_and_reads_in_one_sitting() -> None:
+    modules = {n: p for n, p in _sources().items() if layer(n) == "trust"}
+    assert "harnessrl.trust.step" in modules, "the trust package is missing"
+    impure = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported = [node.module]
+            else:
+                continue
+            for module in imported:
+                if not (module.startswith("harnessrl.trust") or module in TRUST_MAY_IMPORT):
+                    impure.append(f"{name} imports {module}")
+    assert not impure, "\n".join(impure)
+    lines = sum(len(p.read_text().splitlines()) for p in modules.values())
+    sys.stdout.write(f"trust path: {len(modules)} modules, {lines:,} lines\n")
+    assert lines <= TRUST_LIMIT

@@ -21,10 +21,10 @@ from harnessrl.services.trainer.lora import (
     read_adapter_dir,
     write_adapter_dir,
 )
-from harnessrl.services.trainer.packing import SampleArrays
 from harnessrl.services.trainer.policy import Policy
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from harnessrl.trust.packing import SampleArrays
 from harnessrl.v1 import weights_pb2 as pb
 from harnessrl.weights import WeightSyncError, build_manifest, verify_manifest
 from harnessrl.weights.adapter import base_checksum, check_base

@@ -10,7 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-from harnessrl.services.sample_builder.merging import (
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harnessrl.trust.merging import (
     BreakKind,
     Call,
     Dropped,
@@ -20,9 +23,6 @@ from harnessrl.services.sample_builder.merging import (
     merge,
     truncate,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from tests.merge_cases import Episode, episodes, injective_decode, make_call
 
 if TYPE_CHECKING:

@@ -7,13 +7,13 @@ import random
 import numpy as np
 import pytest
 import torch
-from harnessrl.services.trainer.packing import (
+
+from harnessrl.trust.packing import (
     SampleArrays,
     normalization_weights,
     pack,
     padding_fraction,
 )
-
 from harnessrl.v1 import events_pb2 as pb
 
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-from harnessrl.services.sample_builder.merging import BreakKind, Call, Dropped, merge
 
+from harnessrl.trust.merging import BreakKind, Call, Dropped, merge
 from tests.merge_cases import make_call
 from tests.qwen3 import qwen3_model
 

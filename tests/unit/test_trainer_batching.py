@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from harnessrl.services.trainer.batching import Batcher
-
+from harnessrl.trust.batching import Batcher
 from harnessrl.v1 import events_pb2 as pb
 
 

@@ -9,8 +9,10 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
-from harnessrl.services.trainer import loss as loss_module
-from harnessrl.services.trainer.loss import (
+from transformers import AutoModelForCausalLM
+
+from harnessrl.trust import loss as loss_module
+from harnessrl.trust.loss import (
     LossSettings,
     LossStats,
     entropy_from_logits,
@@ -18,15 +20,13 @@ from harnessrl.services.trainer.loss import (
     policy_loss,
     token_logprobs,
 )
-from harnessrl.services.trainer.packing import (
+from harnessrl.trust.packing import (
     MicroBatch,
     Normalization,
     SampleArrays,
     normalization_weights,
     pack,
 )
-from transformers import AutoModelForCausalLM
-
 from tests.model_helpers import TINY
 
 MODES: list[Normalization] = ["token_mean", "episode_mean", "constant"]

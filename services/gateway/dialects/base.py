@@ -48,7 +48,7 @@ class EngineCall:
     """The engine route: contract.CHAT_PATH or contract.COMPLETIONS_PATH."""
     body: dict[str, Any]
     """The engine request as a harness would send it; the lifecycle applies the inference
-    contract on top (services/gateway/contract.py) and may lower the completion budget."""
+    contract on top (libs/harnessrl/trust/contract.py) and may lower the completion budget."""
     stream: bool
     """Whether the harness asked for a stream."""
     model: str

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from harnessrl.services.gateway.contract import CHAT_PATH
 from harnessrl.services.gateway.dialects.base import EngineCall
 from harnessrl.services.gateway.dialects.openai_passthrough import (
     Passthrough,
@@ -18,6 +17,7 @@ from harnessrl.services.gateway.dialects.openai_passthrough import (
 from harnessrl.services.gateway.errors import OPENAI, ErrorShape, invalid
 
 from harnessrl.episode_token import EpisodeClaims
+from harnessrl.trust.contract import CHAT_PATH
 from harnessrl.v1 import events_pb2 as pb
 
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 from harnessrl.services.trainer.config import TrainerSection
-from harnessrl.services.trainer.packing import SampleArrays
 from harnessrl.services.trainer.policy import Policy
 from harnessrl.services.trainer.sharding import full
 from safetensors.torch import save_file
 
+from harnessrl.trust.packing import SampleArrays
 from harnessrl.v1 import events_pb2 as pb
 
 TINY = Path(__file__).resolve().parents[3] / "examples" / "tiny-model"

@@ -1,7 +1,7 @@
 """A batch of samples becomes micro-batches, with loss weights computed over the whole batch.
 
 The loss of a step is  L = sum over batch tokens t of w_t * l_t  (l_t the per-token loss of
-harnessrl.services.trainer.loss), with w_t = 0 off the loss mask and, on it:
+harnessrl.trust.loss), with w_t = 0 off the loss mask and, on it:
 
 - token_mean:    w_t = 1 / N                 N: mask tokens in the whole batch;
 - episode_mean:  w_t = 1 / (E * N_e)         E: episodes with a mask token in the batch,

@@ -56,9 +56,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from harnessrl.services.sample_builder.breaks import Break, BreakKind, classify_break, find_breaks
-from harnessrl.services.sample_builder.calls import Call, Decode, Ids, Logprobs, Mask
-from harnessrl.services.sample_builder.tree import (
+
+from harnessrl.trust.breaks import Break, BreakKind, classify_break, find_breaks
+from harnessrl.trust.calls import Call, Decode, Ids, Logprobs, Mask
+from harnessrl.trust.tree import (
     Dropped,
     build_tree,
     cut_chains,

@@ -13,8 +13,9 @@ from enum import StrEnum
 
 import numpy as np
 import numpy.typing as npt
-from harnessrl.services.sample_builder.calls import Call, Decode, Ids, Mask
-from harnessrl.services.sample_builder.tree import CallNode, ids_of
+
+from harnessrl.trust.calls import Call, Decode, Ids, Mask
+from harnessrl.trust.tree import CallNode, ids_of
 
 
 class BreakKind(StrEnum):

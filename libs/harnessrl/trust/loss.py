@@ -36,7 +36,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
-from harnessrl.services.trainer.packing import MicroBatch
+
+from harnessrl.trust.packing import MicroBatch
 
 
 def token_logprobs(model: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:

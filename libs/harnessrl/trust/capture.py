@@ -1,16 +1,21 @@
 """What the gateway keeps of an engine exchange: pure functions, no I/O.
 
 `take` folds the engine's answer (or each of its stream chunks) into one `Completion` per
-choice: the prompt ids the engine saw, the ids it sampled and their log-probs. `model_calls`
-turns the completions of one harness call into its ModelCall events, one per choice, with
-consecutive sequence numbers from `first_seq`. Whatever dialect the harness spoke, the
-engine answered in OpenAI's chat or completions shape, so this is written once.
+choice: the prompt ids the engine saw, the ids it sampled and their log-probs. A stream is
+folded by `StreamCapture`, which says whether it may be captured at all: only a stream that
+ran to its `[DONE]` with no error event before it (a harness that went away, a generation that
+failed or a stream that was cut trains nothing). `model_calls` turns the completions of one
+harness call into its ModelCall events, one per choice, with consecutive sequence numbers from
+`first_seq`. Whatever dialect the harness spoke, the engine answered in OpenAI's chat or
+completions shape, so this is written once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from harnessrl.episode_token import EpisodeClaims
 from harnessrl.v1 import events_pb2 as pb
@@ -123,3 +128,37 @@ def model_calls(
 def aligned(completions: dict[int, Completion]) -> bool:
     """Whether every choice has one log-prob per token id (an engine bug otherwise)."""
     return all(len(c.logprobs) == len(c.ids) for c in completions.values())
+
+
+class StreamCapture:
+    """One engine stream, folded event by event as the gateway relays it."""
+
+    __slots__ = ("chat", "completions", "done", "failed")
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.completions: dict[int, Completion] = {}
+        self.done = False
+        """The engine sent `[DONE]`."""
+        self.failed = False
+        """The engine sent an error event (the stream is over: nothing after it counts)."""
+
+    def event(self, payload: bytes) -> dict[str, Any] | None:
+        """Fold one SSE payload: its parsed event (an error event too, which sets `failed`),
+        or None for the closing `[DONE]`. Raises for a payload that is not JSON."""
+        if self.done or self.failed:
+            raise ValueError("the engine's stream is over; nothing after its end is captured")
+        if payload[:1] != b"{" and payload.strip() == b"[DONE]":
+            self.done = True
+            return None
+        chunk: dict[str, Any] = orjson.loads(payload)
+        if "error" in chunk or chunk.get("object") == "error":
+            self.failed = True
+        else:
+            take(chunk, self.chat, self.completions)
+        return chunk
+
+    @property
+    def finished(self) -> bool:
+        """Whether the stream may be captured: it ran to its `[DONE]` without an error."""
+        return self.done and not self.failed

@@ -12,9 +12,8 @@ ModelCall: its completion is never trained.
 
 from __future__ import annotations
 
-from typing import Any
-
-from harnessrl.services.gateway.config import SamplingOverrides
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -23,8 +22,28 @@ VERSION_HEADER = "x-policy-version"
 """Response header naming the policy version that served a call (the project's engine)."""
 
 
+class Sampling(Protocol):
+    """The sampling forced on calls of one mode (the gateway's `train` and `val` settings)."""
+
+    @property
+    def temperature(self) -> float | None:
+        """None: keep the harness's own."""
+
+    @property
+    def top_p(self) -> float | None:
+        """None: keep the harness's own."""
+
+    @property
+    def neutral(self) -> Mapping[str, float | int]:
+        """Sampling fields sent with these values whatever the harness asked."""
+
+    @property
+    def drop(self) -> Sequence[str]:
+        """Request fields removed before the engine sees them."""
+
+
 def engine_request(
-    body: dict[str, Any], path: str, engine_model: str, overrides: SamplingOverrides
+    body: dict[str, Any], path: str, engine_model: str, overrides: Sampling
 ) -> dict[str, Any]:
     """The engine request for a translated request `body` (not modified)."""
     upstream = dict(body)

@@ -1,10 +1,11 @@
 """Groups in, batches out: what the next optimiser step trains on.
 
 GroupSamples arrive one record per group. A sample already trained on (a re-delivery after
-a restart) is skipped; a sample whose oldest call is more than `max_staleness` versions
-behind the current policy, or older than the ledger's horizon (ledger.py), is dropped
-(counted). A batch is due once `batch_groups` groups (or `batch_tokens` tokens) are
-pending; it is taken whole, in arrival order.
+a restart) is skipped; a stale sample is dropped (counted), when it arrives and again when its
+batch is taken, by one rule (`Staleness`): its oldest call is more than `max_staleness`
+versions behind the current policy, or older than the trainer ledger's horizon. A batch is
+due once `batch_groups` groups (or `batch_tokens` tokens) are pending; it is taken whole, in
+arrival order.
 """
 
 from __future__ import annotations
@@ -13,9 +14,22 @@ from collections import Counter
 from collections.abc import Set
 from dataclasses import dataclass, field
 
-from harnessrl.services.trainer.packing import SampleArrays
-
+from harnessrl.trust.packing import SampleArrays
 from harnessrl.v1 import events_pb2 as pb
+
+
+@dataclass(frozen=True, slots=True)
+class Staleness:
+    """Which samples are too old to train: the one rule, at arrival and when taken."""
+
+    max_versions: int
+    """The most versions a sample's oldest call may be behind the policy it trains."""
+
+    def stale(self, version: int, oldest: int, horizon: int = 0) -> bool:
+        """Whether a sample whose oldest call was made by policy `oldest` is stale at policy
+        `version`; one older than `horizon` (the trainer ledger's, below which it no longer
+        remembers what was trained) is stale however large `max_versions` is."""
+        return version - oldest > self.max_versions or oldest < horizon
 
 
 @dataclass(slots=True)
@@ -32,7 +46,8 @@ class Batcher:
     def __init__(self, *, batch_groups: int, batch_tokens: int | None, max_staleness: int) -> None:
         self._batch_groups = batch_groups
         self._batch_tokens = batch_tokens
-        self._max_staleness = max_staleness
+        self.staleness = Staleness(max_staleness)
+        self._horizon = 0
         self._pending: list[Batch] = []
         """One entry per pending group, in arrival order."""
         self.dropped: Counter[str] = Counter()
@@ -53,8 +68,8 @@ class Batcher:
             if sample.sample_id in trained or sample.sample_id in pending:
                 self.dropped["trained"] += 1
                 continue
-            behind = version - sample.policy_version_min
-            if behind > self._max_staleness or sample.policy_version_min < horizon:
+            self._horizon = max(self._horizon, horizon)
+            if self.staleness.stale(version, sample.policy_version_min, self._horizon):
                 self.dropped["stale"] += 1
                 self.dropped_tokens["stale"] += sum(1 for m in sample.loss_mask if m)
                 continue
@@ -82,8 +97,8 @@ class Batcher:
 
     def take(self, version: int) -> Batch:
         """The next batch at policy `version`: the oldest `batch_groups` groups, or fewer
-        once `batch_tokens` tokens are reached. Samples that grew more than `max_staleness`
-        versions old while they waited are dropped (counted) here too."""
+        once `batch_tokens` tokens are reached. Samples that grew stale while they waited
+        are dropped (counted) here too."""
         batch = Batch()
         while self._pending and len(batch.groups) < self._batch_groups:
             if self._batch_tokens is not None and batch.tokens >= self._batch_tokens:
@@ -92,8 +107,8 @@ class Batcher:
             fresh: list[SampleArrays] = []
             stale: list[SampleArrays] = []
             for s in entry.samples:
-                keep = version - s.policy_version_min <= self._max_staleness
-                (fresh if keep else stale).append(s)
+                too_old = self.staleness.stale(version, s.policy_version_min, self._horizon)
+                (stale if too_old else fresh).append(s)
             self.dropped["stale"] += len(stale)
             self.dropped_tokens["stale"] += sum(int(s.loss_mask.sum()) for s in stale)
             batch.samples.extend(fresh)

@@ -12,14 +12,16 @@ Nothing here reads a clock or a random source: the same group always gives the s
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
-from harnessrl.services.sample_builder.advantages import advantages
-from harnessrl.services.sample_builder.config import SampleBuilderSection
-from harnessrl.services.sample_builder.group import Group, GroupEpisode
-from harnessrl.services.sample_builder.merging import (
+
+from harnessrl.events import varint
+from harnessrl.trust.advantages import Estimator, advantages
+from harnessrl.trust.group import Group, GroupEpisode
+from harnessrl.trust.merging import (
     BreakKind,
     Call,
     Dropped,
@@ -28,11 +30,48 @@ from harnessrl.services.sample_builder.merging import (
     merge,
     truncate,
 )
-
-from harnessrl.events import varint
 from harnessrl.v1 import events_pb2 as pb
 
 Decode = Callable[[Sequence[int]], str]
+
+
+class Rules(Protocol):
+    """What decides which episodes are trained and how (the sample builder's settings)."""
+
+    @property
+    def estimator(self) -> Estimator:
+        """The advantage estimator (advantages.py)."""
+
+    @property
+    def eps(self) -> float:
+        """Added to the group's reward std by grpo."""
+
+    @property
+    def keep_failed(self) -> bool:
+        """Train on episodes whose harness failed or timed out."""
+
+    @property
+    def missing_reward(self) -> str:
+        """ "drop" an episode whose reward is missing, or "fill" it with `fill_value`."""
+
+    @property
+    def fill_value(self) -> float: ...
+
+    @property
+    def drop_flags(self) -> Collection[str]:
+        """Reward flags that drop an episode."""
+
+    @property
+    def max_tokens(self) -> int:
+        """Longest segment."""
+
+    @property
+    def too_long(self) -> str:
+        """ "truncate" a longer segment at max_tokens, or "drop" its episode."""
+
+    @property
+    def min_episodes(self) -> int:
+        """Fewest kept episodes a group needs to be trained on."""
 
 
 @dataclass(slots=True)
@@ -60,7 +99,7 @@ class _KeptSegment:
     segments: list[Segment]
 
 
-def build(group: Group, settings: SampleBuilderSection, decode: Decode | None = None) -> Built:
+def build(group: Group, settings: Rules, decode: Decode | None = None) -> Built:
     """The samples of `group` from what has arrived (all of it, unless timed out)."""
     built = Built(samples=None)
     kept: list[_KeptSegment] = []
@@ -143,9 +182,7 @@ def _close_books(built: Built, kept: list[_KeptSegment], reason: str | None) -> 
             built.books.dropped[name] = tokens
 
 
-def _verdict(
-    episode: GroupEpisode, settings: SampleBuilderSection
-) -> tuple[str | None, float | None]:
+def _verdict(episode: GroupEpisode, settings: Rules) -> tuple[str | None, float | None]:
     """(reason to drop, None) or (None, the reward to train with)."""
     state = episode.state
     waiting = state.missing()
@@ -171,7 +208,7 @@ def _segments(
     episode: GroupEpisode,
     reward: float,
     *,
-    settings: SampleBuilderSection,
+    settings: Rules,
     decode: Decode | None,
     built: Built,
     kept: list[_KeptSegment],

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
-from harnessrl.services.sample_builder.calls import Call, Ids
+
+from harnessrl.trust.calls import Call, Ids
 
 
 class Dropped(StrEnum):
