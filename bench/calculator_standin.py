@@ -125,7 +125,6 @@ def serve(port: int) -> None:
     Ctrl-C is left to the parent, which terminates it after its last call."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from harnessrl.bench.load_driver import run_loop
-
     from harnessrl.http import HttpServer, Request, Response, json_error
 
     json = ("content-type", "application/json")

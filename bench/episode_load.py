@@ -22,10 +22,10 @@ from types import ModuleType
 from typing import Any
 
 import openai
-from harnessrl.services.controller.gateway_admin import Gateways
 
 from harnessrl.command import Progress
 from harnessrl.episode_token import EpisodeClaims, mint
+from harnessrl.services.controller.gateway_admin import Gateways
 
 EPISODE_TIMEOUT_S = 120.0
 """Lifetime of an episode's token: the gateway forgets a closed episode once it expires."""

@@ -27,6 +27,7 @@ import tempfile
 from typing import Any
 
 import orjson
+
 from harnessrl.bench.load_driver import (
     ADMIN,
     COMPLETION_IDS,
@@ -56,7 +57,6 @@ def main(args: argparse.Namespace) -> int:
 async def _main(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     from harnessrl.bench.gateway_stream import standin as engine
     from harnessrl.bench.pipe import pipe
-
     from harnessrl.broker import EmbeddedBroker, free_port
 
     broker = EmbeddedBroker(port=0)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
 from harnessrl.bench.load_driver import measure as load
 from harnessrl.bench.load_driver import run_loop
 
@@ -65,7 +66,6 @@ def _chunk(index: int, token: int | None, *, finish: str | None = None) -> bytes
 def standin(port: int) -> None:
     """The stand-in engine (a child process): streams of `max_tokens` chunks, paced."""
     from harnessrl.bench.load_driver import canned
-
     from harnessrl.http import HttpServer, Response, StreamingResponse
 
     answer = canned()

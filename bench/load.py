@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
 from harnessrl.bench.episode_load import Closing, Load, calculator
 from harnessrl.services.controller.gateway_admin import Gateways
 
@@ -151,9 +152,8 @@ async def _main(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     """Start the broker, the stand-in and the gateways, run both phases, stop them all."""
     from harnessrl.bench import calculator_standin
     from harnessrl.bench.load_driver import wait_http
-    from harnessrl.services.controller.config import GatewayReplica
-
     from harnessrl.broker import EmbeddedBroker, free_ports
+    from harnessrl.services.controller.config import GatewayReplica
 
     engine_port, *ports = free_ports(1 + args.gateways)
     engine = f"http://127.0.0.1:{engine_port}"

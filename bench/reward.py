@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
 from harnessrl.apps.swe.tasks import SweTask, read_records, to_harnessrl
 from harnessrl.services.reward.config import TestsSettings
 from harnessrl.services.reward.episode import standalone_episode

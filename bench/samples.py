@@ -144,7 +144,6 @@ def synthetic_group(
 def builder_round(groups: list[SyntheticGroup], phases: Phases) -> tuple[float, int]:
     """(seconds, sample token ids emitted) of building every group from its bytes."""
     from harnessrl.services.sample_builder.config import SampleBuilderSection
-
     from harnessrl.trust.group import Group
     from harnessrl.trust.samples import build
 
@@ -255,7 +254,6 @@ def measure_shapes(seed: int, log: Callable[[str], None]) -> dict[str, dict[str,
     least its chains need, sequences per episode, and calls built per second."""
     from harnessrl.bench.sample_shapes import SHAPES
     from harnessrl.services.sample_builder.config import SampleBuilderSection
-
     from harnessrl.trust.group import Group
     from harnessrl.trust.samples import build
 

@@ -45,9 +45,9 @@ from harnessrl.command import CliError
 
 if TYPE_CHECKING:
     import torch
+
     from harnessrl.services.trainer.config import TrainerSection
     from harnessrl.services.trainer.policy import Policy
-
     from harnessrl.trust.packing import MicroBatch, SampleArrays
 
 TINY = Path("examples/tiny-model")
@@ -216,6 +216,7 @@ class Row:
 
 def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     import torch
+
     from harnessrl.services.trainer.config import LoraSection, TrainerSection
     from harnessrl.services.trainer.policy import Policy, device_for
 

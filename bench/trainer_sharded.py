@@ -129,11 +129,12 @@ def _local_bytes(tensor: Any) -> int:
 def _worker(argv: list[str]) -> int:
     """One rank: load, step, report (see the module docstring)."""
     import torch
+    from safetensors.torch import save_file
+
     from harnessrl.bench.trainer import synthetic_batch
     from harnessrl.services.trainer.config import TrainerSection
     from harnessrl.services.trainer.policy import Policy
     from harnessrl.services.trainer.sharding import full
-    from safetensors.torch import save_file
 
     out, spec = argv[0], json.loads(argv[1])
     settings = TrainerSection.model_validate(

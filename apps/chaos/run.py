@@ -30,7 +30,6 @@ from harnessrl.apps.chaos.reconcile import Books, reconcile
 from harnessrl.apps.chaos.stack import ChaosStack
 from harnessrl.apps.experiment.bus import task_bus
 from harnessrl.apps.experiment.ledger import TRAIN, RunLedger
-
 from harnessrl.command import Progress
 from harnessrl.logs import get_logger
 from harnessrl.tasks import TaskLine, new_group_id, to_event
@@ -81,7 +80,6 @@ CHAOS_ENV = {
 async def run_chaos(options: ChaosOptions, progress: IO[str], log_file: IO[str]) -> dict[str, Any]:
     """Run it; returns the figures (faults injected and the reconciliation)."""
     from harnessrl.apps.up.plan import build_plan
-
     from harnessrl.telemetry.receiver import OtlpReceiver
 
     options.workdir.mkdir(parents=True, exist_ok=True)
@@ -129,9 +127,8 @@ async def run_chaos(options: ChaosOptions, progress: IO[str], log_file: IO[str])
 
 
 def _group_size(config: Path) -> int:
-    from harnessrl.services.controller.config import ControllerConfig
-
     from harnessrl.config import load_config
+    from harnessrl.services.controller.config import ControllerConfig
 
     return load_config(ControllerConfig, config).controller.group_size
 

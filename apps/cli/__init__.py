@@ -11,6 +11,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from harnessrl import __version__, registry
 from harnessrl.apps.cli import (
     bench,
     chaos,
@@ -24,8 +25,6 @@ from harnessrl.apps.cli import (
     trace,
     up,
 )
-
-from harnessrl import __version__, registry
 from harnessrl.command import CliError
 
 _TOOLS = (

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.apps.chaos import KILLABLE
-
 from harnessrl.command import CliError, read_tasks
 
 DEMO_CONFIG = Path("examples/calculator/demo.yaml")

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from harnessrl.apps.up.stackfile import DEFAULT_WORKDIR, MANUAL_EPISODES_FILE, STACK_FILE
-
 from harnessrl.command import CliError
 
 if TYPE_CHECKING:
@@ -141,7 +140,6 @@ def run_open(args: argparse.Namespace) -> int:
     import time
 
     from harnessrl.apps.up.manual_episodes import record_new
-
     from harnessrl.episode_token import EpisodeClaims, harness_env, mint
     from harnessrl.tasks import new_group_id
 
@@ -277,9 +275,8 @@ async def _check_health(url: str) -> None:
 async def _close(
     access: GatewayAccess, episode_id: str, attempt: int, group_id: str, reason: str
 ) -> int:
-    from harnessrl.services.controller.gateway_admin import GatewayAdmin, GatewayCloseError
-
     from harnessrl.http import HttpClientError
+    from harnessrl.services.controller.gateway_admin import GatewayAdmin, GatewayCloseError
 
     await _check_health(access.admin_url)
     admin = GatewayAdmin(access.admin_url, access.admin_token, timeout_s=CLOSE_TIMEOUT_S)

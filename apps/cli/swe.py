@@ -148,6 +148,7 @@ def _defaults() -> dict[str, Any]:
 
 def run_synth(args: argparse.Namespace) -> int:
     import orjson
+
     from harnessrl.apps.swe.projects import pinned
     from harnessrl.apps.swe.synth import SynthSettings, synthesize
 
@@ -184,6 +185,7 @@ def run_synth(args: argparse.Namespace) -> int:
 
 def run_clean(args: argparse.Namespace) -> int:
     import orjson
+
     from harnessrl.apps.swe.clean import CleanSettings, clean, split_by_project
     from harnessrl.apps.swe.tasks import read_records, to_harnessrl, to_record
     from harnessrl.apps.swe.validate import ValidateSettings, validate_all

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.apps.up.stackfile import DEFAULT_WORKDIR, STACK_FILE
-
 from harnessrl.command import CliError, add_config_option
 
 
@@ -61,9 +60,10 @@ def register(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    from pydantic import ValidationError
+
     from harnessrl.apps.up.plan import UpError
     from harnessrl.apps.up.stack import run_stack
-    from pydantic import ValidationError
 
     # The trace receiver runs gRPC threads in this process while it forks the children;
     # they exec at once, so gRPC's fork handlers (and their warning) are not needed.

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from harnessrl.apps.doctor import merging, wire
 from harnessrl.apps.doctor.checks import (
     FAIL,
@@ -31,7 +32,6 @@ from harnessrl.apps.doctor.collect import Collected
 from harnessrl.apps.doctor.episode import EpisodeView
 from harnessrl.apps.doctor.wire_read import MARKUPS, read_call
 from harnessrl.services.sample_builder.config import SampleBuilderSection
-
 from harnessrl.trust.group import Group
 from harnessrl.trust.merging import merge
 from harnessrl.trust.samples import build, to_call

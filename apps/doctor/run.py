@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from harnessrl import registry
 from harnessrl.apps.doctor.collect import DoctorError, collect
 from harnessrl.apps.up.client import StackError, stack_for
-
-from harnessrl import registry
 from harnessrl.tasks import TaskLine
 
 __all__ = ["DoctorError", "DoctorOptions", "run_doctor"]
@@ -95,14 +94,14 @@ class _Loaded:
 def _settings(config: Path | None, markups: tuple[str, ...]) -> tuple[_Loaded, Path | None]:
     """The analysis settings from the stack's config (the sample builder's, the gateway's
     train overrides and context length) and the tokenizer that decodes the ids."""
+    from pydantic import ValidationError
+
     from harnessrl.apps.doctor.analyze import Settings
     from harnessrl.apps.doctor.wire_read import MARKUPS
+    from harnessrl.config import load_config
     from harnessrl.services.gateway.config import GatewayConfig
     from harnessrl.services.inference.config import InferenceConfig
     from harnessrl.services.sample_builder.config import SampleBuilderConfig
-    from pydantic import ValidationError
-
-    from harnessrl.config import load_config
 
     try:
         builder = load_config(SampleBuilderConfig, config).sample_builder
@@ -117,9 +116,8 @@ def _settings(config: Path | None, markups: tuple[str, ...]) -> tuple[_Loaded, P
 
 def _decoder(path: Path | None) -> Any:
     """Token ids to text with the model's tokenizer; None (logged) when it cannot load."""
-    from harnessrl.services.sample_builder.service import decoder
-
     from harnessrl.logs import get_logger
+    from harnessrl.services.sample_builder.service import decoder
 
     if path is None:
         return None

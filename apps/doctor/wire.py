@@ -16,7 +16,6 @@ from harnessrl.apps.doctor.wire_read import (
     requests,
     unparsed_cause,
 )
-
 from harnessrl.v1 import events_pb2 as pb
 
 

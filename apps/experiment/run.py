@@ -24,7 +24,6 @@ from harnessrl.apps.experiment.bus import task_bus
 from harnessrl.apps.experiment.ledger import TRAIN, VAL_AFTER, VAL_BEFORE, RunLedger
 from harnessrl.apps.experiment.scrape import scrape
 from harnessrl.apps.up.client import RunningStack, StackError, stack_for
-
 from harnessrl.command import Progress
 from harnessrl.logs import get_logger
 from harnessrl.tasks import TaskLine

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
+
 from harnessrl.apps.swe import env as envs
 from harnessrl.apps.swe.projects import Project
 from harnessrl.apps.swe.repository import export

@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
 from harnessrl.apps.swe import deploy
 from harnessrl.apps.swe import env as envs
 from harnessrl.apps.swe.baseline import Baseline, measure

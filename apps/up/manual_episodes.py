@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harnessrl.apps.up.stackfile import PRIVATE, StackFileError
-
 from harnessrl.episode_token import Mode
 
 

@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harnessrl.apps.up.stackfile import GatewayAccess
-
 from harnessrl import registry
+from harnessrl.apps.up.stackfile import GatewayAccess
 from harnessrl.broker import free_ports
 from harnessrl.config import load_config
 

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable
 
 import httpx
+
 from harnessrl.apps.up.plan import ChildSpec, UpError
 
 TAIL_LINES = 40

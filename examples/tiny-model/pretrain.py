@@ -227,6 +227,7 @@ def evaluate(
     """The harness's loop, simulated in-process with batched generation: success rate and
     how often the first reply called the calculator, overall and by operation."""
     import torch
+
     from harnessrl.services.inference.tools import parse_tool_calls
 
     torch.manual_seed(seed)

@@ -36,10 +36,9 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from harnessrl.runtime import serve
     from harnessrl.services.controller.config import ControllerConfig
     from harnessrl.services.controller.service import ControllerService
-
-    from harnessrl.runtime import serve
 
     flags = {"gateway_url": args.gateway, "runner": args.runner}
     config = load(ControllerConfig, args, controller={k: v for k, v in flags.items() if v})
@@ -55,9 +54,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from harnessrl.services.controller.status import collect, render
-
     from harnessrl.config import ServiceConfig
+    from harnessrl.services.controller.status import collect, render
 
     config = load(ServiceConfig, args)
     try:

@@ -13,17 +13,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from harnessrl.services.controller.admission import EpisodeAdmission
-from harnessrl.services.controller.config import ControllerSection, HarnessSpec
-from harnessrl.services.controller.gateway_admin import Gateways
-from harnessrl.services.controller.lifecycle import AttemptState, EpisodeRecord, Phase, judge
-from harnessrl.services.controller.runner import LaunchError, LaunchSpec, Run, Runner, RunResult
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from harnessrl.bus import Producer
 from harnessrl.episode_token import EpisodeClaims, harness_env, mint
 from harnessrl.logs import get_logger
+from harnessrl.services.controller.admission import EpisodeAdmission
+from harnessrl.services.controller.config import ControllerSection, HarnessSpec
+from harnessrl.services.controller.gateway_admin import Gateways
+from harnessrl.services.controller.lifecycle import AttemptState, EpisodeRecord, Phase, judge
+from harnessrl.services.controller.runner import LaunchError, LaunchSpec, Run, Runner, RunResult
 from harnessrl.telemetry import inject_headers, span_ids
 from harnessrl.v1 import events_pb2 as pb
 

@@ -19,6 +19,11 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 
+from kubernetes_asyncio import config as kube_config
+from kubernetes_asyncio.client import ApiClient, Configuration
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from harnessrl.logs import get_logger
 from harnessrl.services.controller.config import KubernetesSettings
 from harnessrl.services.controller.kubernetes_api import (
     JobApi,
@@ -42,11 +47,6 @@ from harnessrl.services.controller.runner import (
     LaunchSpec,
     Run,
 )
-from kubernetes_asyncio import config as kube_config
-from kubernetes_asyncio.client import ApiClient, Configuration
-from kubernetes_asyncio.client.exceptions import ApiException
-
-from harnessrl.logs import get_logger
 
 log = get_logger(__name__)
 

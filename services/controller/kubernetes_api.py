@@ -16,12 +16,12 @@ from typing import Any, cast
 
 import aiohttp
 import orjson
-from harnessrl.services.controller.kubernetes_job import COLLECTED_LABEL
 from kubernetes_asyncio.client import ApiClient, BatchV1Api, CoreV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, is_retryable
+from harnessrl.services.controller.kubernetes_job import COLLECTED_LABEL
 
 log = get_logger(__name__)
 

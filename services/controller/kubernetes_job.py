@@ -33,6 +33,7 @@ from typing import Any
 
 import orjson
 import yaml
+
 from harnessrl.services.controller.runner import LaunchSpec
 
 PLACEHOLDERS = frozenset(

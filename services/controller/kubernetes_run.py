@@ -26,6 +26,9 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from harnessrl.logs import get_logger
 from harnessrl.services.controller import kubernetes_status as status
 from harnessrl.services.controller.kubernetes_api import (
     JobApi,
@@ -42,9 +45,6 @@ from harnessrl.services.controller.kubernetes_job import (
     harness_container,
 )
 from harnessrl.services.controller.runner import Outcome, RunResult, parse_result
-from kubernetes_asyncio.client.exceptions import ApiException
-
-from harnessrl.logs import get_logger
 
 if TYPE_CHECKING:
     from harnessrl.services.controller.config import KubernetesSettings

@@ -13,7 +13,6 @@ import enum
 from dataclasses import dataclass, field
 
 from harnessrl.services.controller.runner import RunResult
-
 from harnessrl.v1 import events_pb2 as pb
 
 

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import IO
 
 import orjson
+
+from harnessrl.logs import get_logger
 from harnessrl.services.controller.config import ControllerSection
 from harnessrl.services.controller.forkserver import ForkedProcess, ForkServer, forkable
 from harnessrl.services.controller.runner import (
@@ -44,8 +46,6 @@ from harnessrl.services.controller.runner import (
     parse_result,
 )
 from harnessrl.services.controller.sandbox import Sandbox, SandboxedProcess
-
-from harnessrl.logs import get_logger
 
 log = get_logger(__name__)
 

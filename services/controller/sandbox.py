@@ -67,6 +67,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import orjson
+
+from harnessrl.bubblewrap import system_mounts
+from harnessrl.logs import get_logger
 from harnessrl.services.controller.config import SandboxSettings
 from harnessrl.services.controller.runner import LaunchError
 from harnessrl.services.controller.sandbox_plan import (
@@ -81,9 +84,6 @@ from harnessrl.services.controller.sandbox_plan import (
     sandbox_env,
 )
 from harnessrl.services.controller.sandbox_relay import GatewayRelay
-
-from harnessrl.bubblewrap import system_mounts
-from harnessrl.logs import get_logger
 
 log = get_logger(__name__)
 

@@ -14,12 +14,6 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 import orjson
-from harnessrl.services.controller.admission import EpisodeAdmission
-from harnessrl.services.controller.config import MAX_GROUP_SIZE, ControllerConfig, HarnessSpec
-from harnessrl.services.controller.episodes import EpisodeRunner, EpisodeTask
-from harnessrl.services.controller.gateway_admin import Gateways
-from harnessrl.services.controller.lifecycle import EpisodeLedger
-from harnessrl.services.controller.runner import Runner
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from harnessrl import events
@@ -38,6 +32,12 @@ from harnessrl.logs import get_logger
 from harnessrl.metrics import Labelled
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
+from harnessrl.services.controller.admission import EpisodeAdmission
+from harnessrl.services.controller.config import MAX_GROUP_SIZE, ControllerConfig, HarnessSpec
+from harnessrl.services.controller.episodes import EpisodeRunner, EpisodeTask
+from harnessrl.services.controller.gateway_admin import Gateways
+from harnessrl.services.controller.lifecycle import EpisodeLedger
+from harnessrl.services.controller.runner import Runner
 from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)

@@ -18,14 +18,14 @@ import time
 from typing import Any
 
 import orjson
-from harnessrl.services.gateway.control import Gate
-from harnessrl.services.gateway.episodes import EpisodeBook
-from harnessrl.services.gateway.metrics import GatewayMetrics
 
 from harnessrl.bus import Producer
 from harnessrl.episode_token import EpisodeClaims
 from harnessrl.http import Request, Response
 from harnessrl.logs import get_logger
+from harnessrl.services.gateway.control import Gate
+from harnessrl.services.gateway.episodes import EpisodeBook
+from harnessrl.services.gateway.metrics import GatewayMetrics
 from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)

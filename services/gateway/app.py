@@ -29,6 +29,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from harnessrl.episode_token import EpisodeClaims, TokenError, verify
+from harnessrl.health import health_body
+from harnessrl.http import Request, Response, StreamingResponse
+from harnessrl.logs import get_logger
 from harnessrl.services.gateway.admin import Admin
 from harnessrl.services.gateway.control import Paused
 from harnessrl.services.gateway.depth import check_depth
@@ -49,12 +55,6 @@ from harnessrl.services.gateway.errors import (
 from harnessrl.services.gateway.lifecycle import Lifecycle
 from harnessrl.services.gateway.models import Models
 from harnessrl.services.gateway.openapi import document_bytes
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-
-from harnessrl.episode_token import EpisodeClaims, TokenError, verify
-from harnessrl.health import health_body
-from harnessrl.http import Request, Response, StreamingResponse
-from harnessrl.logs import get_logger
 from harnessrl.trust.contract import CHAT_PATH, engine_request
 
 log = get_logger(__name__)

@@ -21,12 +21,12 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import orjson
-from harnessrl.services.gateway.engines import EnginePool
-from harnessrl.services.gateway.errors import GatewayError
-from harnessrl.services.gateway.metrics import GatewayMetrics
 
 from harnessrl.logs import get_logger
 from harnessrl.retry import is_retryable
+from harnessrl.services.gateway.engines import EnginePool
+from harnessrl.services.gateway.errors import GatewayError
+from harnessrl.services.gateway.metrics import GatewayMetrics
 from harnessrl.trust.contract import TOKENIZE_PATH
 
 log = get_logger(__name__)

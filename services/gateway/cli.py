@@ -36,10 +36,9 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from harnessrl.runtime import serve
     from harnessrl.services.gateway.config import GatewayConfig
     from harnessrl.services.gateway.service import GatewayService
-
-    from harnessrl.runtime import serve
 
     flags = {
         "host": args.host,

@@ -24,15 +24,6 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 import orjson
-from harnessrl.services.gateway.budget import Budget
-from harnessrl.services.gateway.config import GatewaySection
-from harnessrl.services.gateway.control import Gate
-from harnessrl.services.gateway.dialects.base import Dialect, EngineCall
-from harnessrl.services.gateway.engines import EnginePool
-from harnessrl.services.gateway.episodes import EpisodeBook, OpenEpisode
-from harnessrl.services.gateway.errors import render_engine, respond
-from harnessrl.services.gateway.metrics import GatewayMetrics
-from harnessrl.services.gateway.versions import EngineVersions
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -42,6 +33,15 @@ from harnessrl.episode_token import EpisodeClaims
 from harnessrl.http import Request, Response, SseDecoder, StreamingResponse
 from harnessrl.http.errors import ConnectionClosedError
 from harnessrl.logs import get_logger
+from harnessrl.services.gateway.budget import Budget
+from harnessrl.services.gateway.config import GatewaySection
+from harnessrl.services.gateway.control import Gate
+from harnessrl.services.gateway.dialects.base import Dialect, EngineCall
+from harnessrl.services.gateway.engines import EnginePool
+from harnessrl.services.gateway.episodes import EpisodeBook, OpenEpisode
+from harnessrl.services.gateway.errors import render_engine, respond
+from harnessrl.services.gateway.metrics import GatewayMetrics
+from harnessrl.services.gateway.versions import EngineVersions
 from harnessrl.telemetry import extract_context, span_ids
 from harnessrl.trust.capture import (
     Completion,

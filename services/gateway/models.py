@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from harnessrl.http import Response
 from harnessrl.services.gateway.dialects.openai_passthrough import MODEL_CHARS
 from harnessrl.services.gateway.errors import GatewayError, respond
-
-from harnessrl.http import Response
 
 _EPOCH = "1970-01-01T00:00:00Z"
 

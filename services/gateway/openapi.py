@@ -30,6 +30,7 @@ import functools
 from typing import Any
 
 import orjson
+
 from harnessrl.services.gateway.dialects.anthropic_models import MessagesRequest
 
 _REF = "#/components/schemas/{model}"

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import time
 
-from harnessrl.services.gateway.episodes import Key, Restored
-
 from harnessrl import events
 from harnessrl.bus import Producer
 from harnessrl.bus.snapshot import read_to_end
 from harnessrl.config import KafkaSettings
 from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, retry
+from harnessrl.services.gateway.episodes import Key, Restored
 
 log = get_logger(__name__)
 

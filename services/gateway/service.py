@@ -7,6 +7,14 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 import orjson
+
+from harnessrl import events
+from harnessrl.bus import BusMetrics, Consumer, Context, Producer, Record, ensure_topics
+from harnessrl.bus.snapshot import read_to_end
+from harnessrl.http import HttpServer, Response
+from harnessrl.logs import get_logger
+from harnessrl.retry import Backoff, retry
+from harnessrl.runtime import Runtime
 from harnessrl.services.gateway.admin import Admin
 from harnessrl.services.gateway.app import AdminApp, GatewayApp, dialects
 from harnessrl.services.gateway.budget import Budget, context_of
@@ -23,14 +31,6 @@ from harnessrl.services.gateway.metrics import GatewayMetrics, ServerBudgets
 from harnessrl.services.gateway.models import Models
 from harnessrl.services.gateway.recovery import recover
 from harnessrl.services.gateway.versions import EngineVersions
-
-from harnessrl import events
-from harnessrl.bus import BusMetrics, Consumer, Context, Producer, Record, ensure_topics
-from harnessrl.bus.snapshot import read_to_end
-from harnessrl.http import HttpServer, Response
-from harnessrl.logs import get_logger
-from harnessrl.retry import Backoff, retry
-from harnessrl.runtime import Runtime
 from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)

@@ -22,6 +22,10 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException
+
+from harnessrl.health import health_body
 from harnessrl.services.inference.codec import TextCodec
 from harnessrl.services.inference.engine import Engine, EngineRequest, Token
 from harnessrl.services.inference.errors import (
@@ -39,10 +43,6 @@ from harnessrl.services.inference.protocol import (
 )
 from harnessrl.services.inference.tokenization import RESPONSES as TOKENIZE_RESPONSES
 from harnessrl.services.inference.tokenization import tokenize
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.exceptions import HTTPException
-
-from harnessrl.health import health_body
 
 VERSION_HEADER = "x-policy-version"
 # What the OpenAPI document says the generating routes answer: JSON, or an SSE stream when

@@ -42,10 +42,9 @@ def _register_inference(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from harnessrl.runtime import serve
     from harnessrl.services.inference.config import InferenceConfig
     from harnessrl.services.inference.service import InferenceService
-
-    from harnessrl.runtime import serve
 
     flags = {
         "model": args.model,
@@ -104,10 +103,9 @@ def _register_vllm_sync(commands: Any) -> None:
 
 
 def run_vllm_sync(args: argparse.Namespace) -> int:
+    from harnessrl.runtime import serve
     from harnessrl.services.inference.config import VllmSyncConfig
     from harnessrl.services.inference.vllm_sync import VllmSyncService
-
-    from harnessrl.runtime import serve
 
     flags = {
         "vllm_url": args.vllm_url,

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from harnessrl.services.inference.adapter import LoraOverlay
-from harnessrl.services.inference.kv import RunningBatch, cache_argument, positions_from_mask
-from harnessrl.services.inference.sampling import SamplingParams, generator_for, sample
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from harnessrl.logs import get_logger
+from harnessrl.services.inference.adapter import LoraOverlay
+from harnessrl.services.inference.kv import RunningBatch, cache_argument, positions_from_mask
+from harnessrl.services.inference.sampling import SamplingParams, generator_for, sample
 from harnessrl.v1 import weights_pb2 as pb
 
 log = get_logger(__name__)

@@ -14,8 +14,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from harnessrl.services.inference.protocol import ApiError
 from starlette.exceptions import HTTPException
+
+from harnessrl.services.inference.protocol import ApiError
 
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:

@@ -31,7 +31,6 @@ from harnessrl.weights.errors import WeightSyncError
 
 if TYPE_CHECKING:  # torch only where the project's engine runs
     from harnessrl.services.inference.engine import Engine
-
     from harnessrl.v1 import weights_pb2 as weights_pb
     from harnessrl.weights import FetchResult
 

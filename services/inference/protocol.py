@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from harnessrl.services.inference.sampling import SamplingParams
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -19,6 +18,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from harnessrl.services.inference.sampling import SamplingParams
 
 MAX_N = 16
 

@@ -8,18 +8,17 @@ from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from typing import Any
 
-from harnessrl.services.inference.api import create_app
-from harnessrl.services.inference.codec import TextCodec
-from harnessrl.services.inference.config import InferenceConfig, InferenceSection
-from harnessrl.services.inference.engine import Engine
-from harnessrl.services.inference.follower import EngineLoader, PolicyFollower, weightsync_puller
-
 from harnessrl import events
 from harnessrl.bus import BusMetrics, Consumer, Producer, ensure_topics
 from harnessrl.bus.snapshot import read_to_end
 from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, retry
 from harnessrl.runtime import Runtime
+from harnessrl.services.inference.api import create_app
+from harnessrl.services.inference.codec import TextCodec
+from harnessrl.services.inference.config import InferenceConfig, InferenceSection
+from harnessrl.services.inference.engine import Engine
+from harnessrl.services.inference.follower import EngineLoader, PolicyFollower, weightsync_puller
 from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)

@@ -35,11 +35,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from harnessrl.services.inference.follower import Pull
-from harnessrl.services.inference.vllm_server import VllmUnusable
-
 from harnessrl.logs import get_logger
 from harnessrl.retry import is_retryable
+from harnessrl.services.inference.follower import Pull
+from harnessrl.services.inference.vllm_server import VllmUnusable
 from harnessrl.weights.errors import WeightSyncError
 
 log = get_logger(__name__)

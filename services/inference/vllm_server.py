@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from harnessrl.services.inference.follower import VersionGone
-
 from harnessrl.retry import RetryableError, is_retryable
+from harnessrl.services.inference.follower import VersionGone
 
 
 class VllmUnusable(Exception):

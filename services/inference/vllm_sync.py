@@ -35,17 +35,16 @@ import asyncio
 from contextlib import AsyncExitStack
 from typing import Any
 
-from harnessrl.services.inference.config import VllmSyncConfig
-from harnessrl.services.inference.follower import PolicyFollower, weightsync_puller
-from harnessrl.services.inference.vllm_lora import VllmLoraServer
-from harnessrl.services.inference.vllm_server import VllmServer
-
 from harnessrl import events
 from harnessrl.bus import BusMetrics, Consumer, Context, Producer, Record, ensure_topics
 from harnessrl.bus.snapshot import read_to_end
 from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, is_retryable, retry
 from harnessrl.runtime import Runtime
+from harnessrl.services.inference.config import VllmSyncConfig
+from harnessrl.services.inference.follower import PolicyFollower, weightsync_puller
+from harnessrl.services.inference.vllm_lora import VllmLoraServer
+from harnessrl.services.inference.vllm_server import VllmServer
 from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)

@@ -27,10 +27,9 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from harnessrl.runtime import serve
     from harnessrl.services.reward.config import RewardConfig
     from harnessrl.services.reward.service import RewardService
-
-    from harnessrl.runtime import serve
 
     flags = {"source": args.source}
     config = load(RewardConfig, args, reward={k: v for k, v in flags.items() if v})

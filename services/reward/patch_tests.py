@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harnessrl.logs import get_logger
 from harnessrl.services.reward.coding_task import CodingTask
 from harnessrl.services.reward.config import TestsSettings
 from harnessrl.services.reward.episode import Episode, Score
@@ -92,8 +93,6 @@ from harnessrl.services.reward.repo_copy import (
     tracked,
 )
 from harnessrl.services.reward.sandbox import RunOutcome, clean_env
-
-from harnessrl.logs import get_logger
 
 log = get_logger(__name__)
 

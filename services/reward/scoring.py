@@ -11,11 +11,10 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from harnessrl.services.reward.episode import Episode, InvalidScore, Score, to_score
-from harnessrl.services.reward.sources import Scorer
-
 from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, PermanentError, retry
+from harnessrl.services.reward.episode import Episode, InvalidScore, Score, to_score
+from harnessrl.services.reward.sources import Scorer
 from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)

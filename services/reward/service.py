@@ -13,11 +13,6 @@ from __future__ import annotations
 import asyncio
 from contextlib import AsyncExitStack
 
-from harnessrl.services.reward.config import RewardConfig
-from harnessrl.services.reward.episode import Episode
-from harnessrl.services.reward.jail import Jail
-from harnessrl.services.reward.scoring import CallPolicy, assign
-from harnessrl.services.reward.sources import FunctionScorer, Scorer, make_scorer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from harnessrl import events
@@ -27,6 +22,11 @@ from harnessrl.logs import get_logger
 from harnessrl.metrics import Labelled
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
+from harnessrl.services.reward.config import RewardConfig
+from harnessrl.services.reward.episode import Episode
+from harnessrl.services.reward.jail import Jail
+from harnessrl.services.reward.scoring import CallPolicy, assign
+from harnessrl.services.reward.sources import FunctionScorer, Scorer, make_scorer
 from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)

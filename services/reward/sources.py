@@ -14,11 +14,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from harnessrl.services.reward.config import RewardSection
-from harnessrl.services.reward.episode import Episode, Score
-
 from harnessrl.logs import get_logger
 from harnessrl.retry import PermanentError, RetryableError
+from harnessrl.services.reward.config import RewardSection
+from harnessrl.services.reward.episode import Episode, Score
 from harnessrl.telemetry import inject_headers
 
 log = get_logger(__name__)

@@ -26,10 +26,9 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from harnessrl.runtime import serve
     from harnessrl.services.sample_builder.config import SampleBuilderConfig
     from harnessrl.services.sample_builder.service import SampleBuilderService
-
-    from harnessrl.runtime import serve
 
     flags = {"estimator": args.estimator, "tokenizer": args.tokenizer}
     config = load(SampleBuilderConfig, args, sample_builder={k: v for k, v in flags.items() if v})

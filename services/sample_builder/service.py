@@ -17,8 +17,6 @@ from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from typing import Any
 
-from harnessrl.services.sample_builder.config import SampleBuilderConfig
-from harnessrl.services.sample_builder.metrics import SampleMetrics
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Link, SpanContext, TraceFlags
 
@@ -37,6 +35,8 @@ from harnessrl.bus.snapshot import read_keys
 from harnessrl.logs import get_logger
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
+from harnessrl.services.sample_builder.config import SampleBuilderConfig
+from harnessrl.services.sample_builder.metrics import SampleMetrics
 from harnessrl.trust.group import Group
 from harnessrl.trust.samples import Built, Decode, build
 

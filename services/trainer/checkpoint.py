@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from harnessrl.services.trainer.ledger import LedgerState
 
 from harnessrl.logs import get_logger
+from harnessrl.services.trainer.ledger import LedgerState
 
 log = get_logger(__name__)
 

@@ -157,11 +157,10 @@ def _service(config: Any, runtime: Any) -> Any:
 def _follow(config: Any) -> int:
     """A non-leader rank: run each command the leader shares (a step, a publication's
     gathers, a checkpoint's save) until it shares None."""
-    from harnessrl.services.trainer.checkpoint import Checkpoints
-    from harnessrl.services.trainer.policy import Policy
-
     from harnessrl.config import secret_values
     from harnessrl.logs import configure_logging
+    from harnessrl.services.trainer.checkpoint import Checkpoints
+    from harnessrl.services.trainer.policy import Policy
 
     configure_logging("trainer", config.log, secrets=secret_values(config))
     # torchrun passes SIGTERM and SIGINT to every rank; a follower must stay for the

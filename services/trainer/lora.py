@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harnessrl.services.trainer.config import LoraSection
 
+from harnessrl.services.trainer.config import LoraSection
 from harnessrl.v1 import weights_pb2 as pb
 from harnessrl.weights.adapter import base_checksum, peft_config, read_peft_dir, write_peft_dir
 from harnessrl.weights.checksums import DEFAULT_ALGORITHM

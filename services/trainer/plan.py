@@ -147,6 +147,7 @@ def plan(
     of its config.json) under `settings` on `world_size` ranks of `device_type` (which
     decides what dtype "auto" means). Raises ValueError when the model cannot be built."""
     import torch
+
     from harnessrl.services.trainer.lora import base_dtype
     from harnessrl.services.trainer.precision import compute_dtype
 
@@ -217,8 +218,9 @@ def model_shape(source: PretrainedConfig | Path | str, lora: LoraSection | None)
     """Build the model on the meta device and measure it (no weights are read). Raises
     ValueError for a path that is not a model directory or config.json."""
     import torch
-    from harnessrl.services.trainer.sharding import blocks
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+    from harnessrl.services.trainer.sharding import blocks
 
     if isinstance(source, PretrainedConfig):
         config = source

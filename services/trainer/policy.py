@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from harnessrl.logs import get_logger
 from harnessrl.services.trainer import tensors
 from harnessrl.services.trainer.config import TrainerSection
 from harnessrl.services.trainer.distributed import World
@@ -26,8 +28,6 @@ from harnessrl.services.trainer.lora import adapter_tensors, apply_lora
 from harnessrl.services.trainer.plan import check_fits
 from harnessrl.services.trainer.precision import compute_dtype
 from harnessrl.services.trainer.sharding import full, is_sharded, shard
-
-from harnessrl.logs import get_logger
 from harnessrl.trust.loss import LossSettings
 from harnessrl.trust.packing import MicroBatch, SampleArrays
 from harnessrl.trust.step import StepSettings, StepStats, step

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from harnessrl.services.trainer.config import TrainerSection
 
 

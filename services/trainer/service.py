@@ -17,15 +17,6 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Any
 
-from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
-from harnessrl.services.trainer.config import TrainerConfig
-from harnessrl.services.trainer.distributed import World
-from harnessrl.services.trainer.journal import StepJournal
-from harnessrl.services.trainer.ledger import DeliveryLedger
-from harnessrl.services.trainer.lora import adapter_spec
-from harnessrl.services.trainer.metrics import TrainerMetrics
-from harnessrl.services.trainer.policy import Policy
-from harnessrl.services.trainer.swap import EngineWatch
 from opentelemetry.trace import Link, SpanContext, TraceFlags
 
 from harnessrl import events
@@ -43,6 +34,15 @@ from harnessrl.bus.snapshot import read_to_end
 from harnessrl.logs import get_logger
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
+from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
+from harnessrl.services.trainer.config import TrainerConfig
+from harnessrl.services.trainer.distributed import World
+from harnessrl.services.trainer.journal import StepJournal
+from harnessrl.services.trainer.ledger import DeliveryLedger
+from harnessrl.services.trainer.lora import adapter_spec
+from harnessrl.services.trainer.metrics import TrainerMetrics
+from harnessrl.services.trainer.policy import Policy
+from harnessrl.services.trainer.swap import EngineWatch
 from harnessrl.trust.batching import Batch, Batcher
 from harnessrl.trust.step import StepStats
 from harnessrl.v1 import events_pb2 as pb

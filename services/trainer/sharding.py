@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
 from harnessrl.services.trainer.config import ShardingSection
 
 

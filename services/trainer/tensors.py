@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harnessrl.services.trainer.distributed import World
-from harnessrl.services.trainer.sharding import full, is_sharded
 from safetensors.torch import save_file, save_model
 from torch.distributed.checkpoint.api import CheckpointException
+
+from harnessrl.services.trainer.distributed import World
+from harnessrl.services.trainer.sharding import full, is_sharded
 
 DCP = "dcp"
 SCHEDULER = "scheduler.pt"

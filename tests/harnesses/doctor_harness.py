@@ -24,6 +24,7 @@ import uuid
 from typing import Any
 
 import openai
+
 from harnessrl.services.reward.episode import Episode, Score
 
 SYSTEM = "You are a careful assistant. Use the calculator for arithmetic."  # the demo's

@@ -10,10 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harnessrl.services.gateway.config import GatewayConfig, GatewaySection
-from harnessrl.services.gateway.service import GatewayService
-from harnessrl.services.inference.config import InferenceConfig, InferenceSection
-from harnessrl.services.inference.service import InferenceService
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
@@ -23,6 +19,10 @@ from harnessrl.broker import EmbeddedBroker
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
 from harnessrl.episode_token import EpisodeClaims, mint
 from harnessrl.runtime import Runtime
+from harnessrl.services.gateway.config import GatewayConfig, GatewaySection
+from harnessrl.services.gateway.service import GatewayService
+from harnessrl.services.inference.config import InferenceConfig, InferenceSection
+from harnessrl.services.inference.service import InferenceService
 from harnessrl.v1 import events_pb2 as pb
 from tests.helpers import FAST_GROUP, read_topic, topic_size
 

@@ -16,8 +16,6 @@ from typing import Any
 
 import pytest
 import yaml
-from harnessrl.services.controller.config import ControllerConfig, ControllerSection, HarnessSpec
-from harnessrl.services.controller.service import ControllerService
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
@@ -27,6 +25,8 @@ from harnessrl.broker import EmbeddedBroker
 from harnessrl.bus import Producer
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
 from harnessrl.runtime import Runtime
+from harnessrl.services.controller.config import ControllerConfig, ControllerSection, HarnessSpec
+from harnessrl.services.controller.service import ControllerService
 from harnessrl.v1 import events_pb2 as pb
 from tests.helpers import FAST_GROUP, eventually, read_topic, topic_size
 from tests.integration.gateway_stack import ADMIN, SECRET, Stack, running_stack

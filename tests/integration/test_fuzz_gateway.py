@@ -12,10 +12,10 @@ import httpx
 import orjson
 import pytest
 import pytest_asyncio
-from harnessrl.services.gateway.app import API_ROUTES
-from harnessrl.services.gateway.openapi import document
 
 from harnessrl.broker import EmbeddedBroker
+from harnessrl.services.gateway.app import API_ROUTES
+from harnessrl.services.gateway.openapi import document
 from harnessrl.v1 import events_pb2 as pb
 from tests.helpers import FULL
 from tests.integration.fuzzing import anthropic_error_shape, fuzz, openai_error_shape, summary

@@ -16,11 +16,11 @@ import openai
 import orjson
 import pytest
 import pytest_asyncio
-from harnessrl.services.gateway.dialects.anthropic_request import messages_to_chat
 
 from harnessrl.broker import EmbeddedBroker
 from harnessrl.episode_token import EpisodeClaims, mint
 from harnessrl.http import HttpServer, Request, StreamingResponse
+from harnessrl.services.gateway.dialects.anthropic_request import messages_to_chat
 from harnessrl.v1 import events_pb2 as pb
 from tests.helpers import eventually
 from tests.integration.gateway_stack import ADMIN, SECRET, Stack, running_stack

@@ -21,7 +21,18 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
+
+from harnessrl import events
 from harnessrl.bench import calculator_standin
+from harnessrl.broker import EmbeddedBroker, free_ports
+from harnessrl.bus import Producer
+from harnessrl.bus.snapshot import read_to_end
+from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
+from harnessrl.episode_token import EpisodeClaims, mint
+from harnessrl.runtime import Runtime
 from harnessrl.services.controller.config import (
     ControllerConfig,
     ControllerSection,
@@ -30,17 +41,6 @@ from harnessrl.services.controller.config import (
 )
 from harnessrl.services.controller.gateway_admin import owner
 from harnessrl.services.controller.service import ControllerService
-from opentelemetry.sdk.trace import TracerProvider
-from prometheus_client import CollectorRegistry
-from pydantic import SecretStr
-
-from harnessrl import events
-from harnessrl.broker import EmbeddedBroker, free_ports
-from harnessrl.bus import Producer
-from harnessrl.bus.snapshot import read_to_end
-from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
-from harnessrl.episode_token import EpisodeClaims, mint
-from harnessrl.runtime import Runtime
 from harnessrl.v1 import events_pb2 as pb
 from tests.helpers import FAST_GROUP, eventually
 from tests.integration.test_gateway_restart import ADMIN, SECRET, Gateway

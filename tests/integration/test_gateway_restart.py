@@ -22,9 +22,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from harnessrl.bench import calculator_standin
 
 from harnessrl import events
+from harnessrl.bench import calculator_standin
 from harnessrl.broker import EmbeddedBroker, free_ports
 from harnessrl.bus.snapshot import read_to_end
 from harnessrl.config import KafkaSettings

@@ -29,13 +29,13 @@ from typing import Any
 import orjson
 import pytest
 import pytest_asyncio
-from harnessrl.services.controller.config import ControllerSection, SandboxSettings
-from harnessrl.services.controller.local import LocalRunner, local_runner
-from harnessrl.services.controller.runner import LaunchError, LaunchSpec
 
 from harnessrl.broker import EmbeddedBroker
 from harnessrl.episode_token import EpisodeClaims, harness_env, mint
 from harnessrl.http import HttpServer, Request, Response
+from harnessrl.services.controller.config import ControllerSection, SandboxSettings
+from harnessrl.services.controller.local import LocalRunner, local_runner
+from harnessrl.services.controller.runner import LaunchError, LaunchSpec
 from tests.helpers import eventually
 
 pytestmark = pytest.mark.integration

@@ -12,12 +12,12 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-from harnessrl.services.inference.config import InferenceConfig, InferenceSection
-from harnessrl.services.inference.service import InferenceService
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from harnessrl.runtime import Runtime
+from harnessrl.services.inference.config import InferenceConfig, InferenceSection
+from harnessrl.services.inference.service import InferenceService
 from tests.model_helpers import TINY, overfit
 
 pytestmark = pytest.mark.integration

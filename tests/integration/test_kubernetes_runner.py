@@ -16,10 +16,10 @@ from typing import Any
 import orjson
 import pytest
 import pytest_asyncio
+
 from harnessrl.services.controller.kubernetes import KubernetesRunner, KubernetesSettings
 from harnessrl.services.controller.kubernetes_job import TemplateError, job_name
 from harnessrl.services.controller.runner import LaunchError, LaunchSpec
-
 from tests.helpers import eventually
 from tests.k8s_standin import KubeStandin, Script
 

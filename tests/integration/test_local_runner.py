@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 import pytest
+
 from harnessrl.services.controller.local import LocalRunner
 from harnessrl.services.controller.runner import LaunchSpec, RunResult
 

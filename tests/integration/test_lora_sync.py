@@ -13,6 +13,8 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
+from prometheus_client import CollectorRegistry
+
 from harnessrl.services.inference.config import InferenceSection
 from harnessrl.services.inference.engine import Engine
 from harnessrl.services.inference.follower import EngineLoader, weightsync_puller
@@ -22,8 +24,6 @@ from harnessrl.services.trainer.config import LoraSection, TrainerSection
 from harnessrl.services.trainer.distributed import World
 from harnessrl.services.trainer.lora import adapter_spec
 from harnessrl.services.trainer.policy import Policy
-from prometheus_client import CollectorRegistry
-
 from harnessrl.v1 import weights_pb2 as pb
 from harnessrl.v1 import weights_pb2_grpc as pb_grpc
 from harnessrl.weights import WeightSyncError, WeightSyncServer

@@ -13,8 +13,6 @@ import grpc
 import httpx
 import pytest
 import pytest_asyncio
-from harnessrl.services.inference.config import InferenceConfig, InferenceSection
-from harnessrl.services.inference.service import InferenceService
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 from safetensors.torch import load_file
@@ -24,6 +22,8 @@ from harnessrl.broker import EmbeddedBroker
 from harnessrl.bus import Producer
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
 from harnessrl.runtime import Runtime
+from harnessrl.services.inference.config import InferenceConfig, InferenceSection
+from harnessrl.services.inference.service import InferenceService
 from harnessrl.v1 import events_pb2 as pb
 from harnessrl.v1 import weights_pb2_grpc as pb_grpc
 from harnessrl.weights import WeightSyncServer

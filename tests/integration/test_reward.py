@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harnessrl.services.reward.config import RewardConfig, RewardSection
-from harnessrl.services.reward.service import RewardService
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
@@ -25,6 +23,8 @@ from harnessrl.broker import EmbeddedBroker
 from harnessrl.bus import Producer
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
 from harnessrl.runtime import Runtime
+from harnessrl.services.reward.config import RewardConfig, RewardSection
+from harnessrl.services.reward.service import RewardService
 from harnessrl.v1 import events_pb2 as pb
 from tests.helpers import FAST_GROUP, eventually, read_topic, topic_size
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 import pytest
+
 from harnessrl.apps.swe.env import run_command
 from harnessrl.apps.swe.holdback import function_of
 from harnessrl.apps.swe.mutate import mutations
@@ -32,7 +33,6 @@ from harnessrl.apps.swe.synth import SynthSettings, synthesize_one
 from harnessrl.apps.swe.tasks import parse_task, to_harnessrl
 from harnessrl.services.reward import config, patch_tests
 from harnessrl.services.reward.episode import Score
-
 from tests.helpers import eventually
 from tests.repo_helpers import coding_episode, git, write_files
 from tests.six import SixReady

@@ -13,8 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 from google.protobuf.message import Message
-from harnessrl.services.sample_builder.config import SampleBuilderConfig, SampleBuilderSection
-from harnessrl.services.sample_builder.service import SampleBuilderService
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
@@ -23,6 +21,8 @@ from harnessrl.broker import EmbeddedBroker
 from harnessrl.bus import Producer
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
 from harnessrl.runtime import Runtime
+from harnessrl.services.sample_builder.config import SampleBuilderConfig, SampleBuilderSection
+from harnessrl.services.sample_builder.service import SampleBuilderService
 from harnessrl.v1 import events_pb2 as pb
 from tests.helpers import FAST_GROUP, eventually, read_topic, topic_size
 from tests.integration.gateway_stack import Stack

@@ -37,13 +37,6 @@ import orjson
 import pytest
 import pytest_asyncio
 import yaml
-from harnessrl.services.controller.config import (
-    ControllerConfig,
-    ControllerSection,
-    HarnessSpec,
-    KubernetesSettings,
-)
-from harnessrl.services.controller.service import ControllerService
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import SecretStr
@@ -56,6 +49,13 @@ from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings, 
 from harnessrl.episode_token import EpisodeClaims, mint, verify
 from harnessrl.logs import JsonFormatter
 from harnessrl.runtime import Runtime
+from harnessrl.services.controller.config import (
+    ControllerConfig,
+    ControllerSection,
+    HarnessSpec,
+    KubernetesSettings,
+)
+from harnessrl.services.controller.service import ControllerService
 from harnessrl.telemetry import create_tracer_provider
 from harnessrl.v1 import events_pb2 as pb
 from tests.helpers import FAST_GROUP, eventually

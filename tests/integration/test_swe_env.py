@@ -9,10 +9,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from harnessrl.apps.swe.env import environment, reliable_passes, run_tests
 from harnessrl.apps.swe.fetch import checkout
 from harnessrl.apps.swe.mutate import mutations
-
 from tests.six import SixReady
 
 pytestmark = pytest.mark.integration

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from harnessrl.apps.swe.fetch import FetchError, checkout
 from harnessrl.apps.swe.projects import PINNED, pinned
 

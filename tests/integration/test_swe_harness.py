@@ -31,13 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harnessrl.services.controller.config import ControllerConfig, ControllerSection, HarnessSpec
-from harnessrl.services.controller.service import ControllerService
-from harnessrl.services.gateway.config import GatewayConfig, GatewaySection
-from harnessrl.services.gateway.service import GatewayService
-from harnessrl.services.reward import config as reward_config
-from harnessrl.services.reward import patch_tests
-from harnessrl.services.reward.episode import Episode
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
@@ -48,6 +41,13 @@ from harnessrl.bus import Producer
 from harnessrl.bus.snapshot import read_to_end
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
 from harnessrl.runtime import Runtime
+from harnessrl.services.controller.config import ControllerConfig, ControllerSection, HarnessSpec
+from harnessrl.services.controller.service import ControllerService
+from harnessrl.services.gateway.config import GatewayConfig, GatewaySection
+from harnessrl.services.gateway.service import GatewayService
+from harnessrl.services.reward import config as reward_config
+from harnessrl.services.reward import patch_tests
+from harnessrl.services.reward.episode import Episode
 from harnessrl.v1 import events_pb2 as pb
 from tests.helpers import FAST_GROUP, eventually
 from tests.integration.gateway_stack import ADMIN, SECRET

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import orjson
 import pytest
+
 from harnessrl.apps.swe.env import project_copies
 from harnessrl.services.reward.config import TestsSettings
 from harnessrl.services.reward.patch_tests import TestsReward
-
 from harnessrl.tasks import parse_task_file
 from tests.repo_helpers import coding_episode, git
 from tests.six import SixReady

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from harnessrl.services.reward import config, patch_tests
 from harnessrl.services.reward.episode import Score
 from harnessrl.services.reward.jail import JailError
-
 from tests.helpers import eventually
 from tests.repo_helpers import PYTEST, coding_episode, git, make_repo, patch_for
 

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from harnessrl.apps.swe.mutate import mutations
 from harnessrl.services.reward import config, patch_tests
 from harnessrl.services.reward.episode import Score
-
 from tests.repo_helpers import coding_episode, git, write_files
 from tests.six import SixReady
 

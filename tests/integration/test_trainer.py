@@ -22,11 +22,6 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from harnessrl.services.trainer import journal
-from harnessrl.services.trainer.checkpoint import Checkpoints
-from harnessrl.services.trainer.config import TrainerConfig, TrainerSection
-from harnessrl.services.trainer.policy import Policy
-from harnessrl.services.trainer.service import TrainerService
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
@@ -35,6 +30,11 @@ from harnessrl.broker import EmbeddedBroker
 from harnessrl.bus import Producer
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
 from harnessrl.runtime import Runtime
+from harnessrl.services.trainer import journal
+from harnessrl.services.trainer.checkpoint import Checkpoints
+from harnessrl.services.trainer.config import TrainerConfig, TrainerSection
+from harnessrl.services.trainer.policy import Policy
+from harnessrl.services.trainer.service import TrainerService
 from harnessrl.trust.loss import token_logprobs
 from harnessrl.trust.packing import SampleArrays, normalization_weights, pack
 from harnessrl.v1 import events_pb2 as pb

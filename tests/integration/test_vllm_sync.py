@@ -16,9 +16,6 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
-from harnessrl.services.inference.config import VllmSyncConfig, VllmSyncSection
-from harnessrl.services.inference.vllm_server import VllmUnusable
-from harnessrl.services.inference.vllm_sync import VllmSyncService
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
@@ -27,6 +24,9 @@ from harnessrl.broker import EmbeddedBroker
 from harnessrl.bus import Producer
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
 from harnessrl.runtime import Runtime
+from harnessrl.services.inference.config import VllmSyncConfig, VllmSyncSection
+from harnessrl.services.inference.vllm_server import VllmUnusable
+from harnessrl.services.inference.vllm_sync import VllmSyncService
 from harnessrl.v1 import events_pb2 as pb
 from harnessrl.v1 import weights_pb2 as pb_weights
 from harnessrl.v1 import weights_pb2_grpc as pb_grpc

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from harnessrl.bench.pipe import _Downstream
-
 from harnessrl.http import HttpClient, HttpServer, Response, StreamingResponse
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from harnessrl.apps.cli import main
 
 SMALL = ["--groups", "2", "--rounds", "1", "--episodes", "2", "--calls", "2", "--seed", "3"]

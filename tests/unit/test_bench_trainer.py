@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from harnessrl.apps.cli import main
 
+from harnessrl.apps.cli import main
 from tests.helpers import FULL
 
 SMALL = [

@@ -17,8 +17,8 @@ sys.path.insert(0, str(ROOT / "examples" / "tiny-model"))
 import harness  # noqa: E402
 import pretrain  # noqa: E402
 import tasks  # noqa: E402
-from harnessrl.services.reward.episode import Episode  # noqa: E402
 
+from harnessrl.services.reward.episode import Episode  # noqa: E402
 from harnessrl.v1 import events_pb2 as pb  # noqa: E402
 
 BASE = ROOT / "examples" / "tiny-model" / "calculator"

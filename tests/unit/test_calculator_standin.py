@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT / "examples" / "calculator"))
 
 import harness  # noqa: E402
 import tasks  # noqa: E402
+
 from harnessrl.bench.calculator_standin import answer, expression  # noqa: E402
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from harnessrl.apps.chaos.reconcile import Books, reconcile
 from harnessrl.services.trainer.journal import StepJournal, read
-
 from harnessrl.v1 import events_pb2 as pb
 
 

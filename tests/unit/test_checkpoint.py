@@ -15,11 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
 from harnessrl.services.trainer import checkpoint, tensors
 from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
 from harnessrl.services.trainer.ledger import LedgerState
-from torch.optim.lr_scheduler import LambdaLR
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-model"
 INPUT = torch.tensor([[5, 17, 42, 99, 7, 300]])

@@ -18,16 +18,16 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 from compose_spec import PyCompose
+from pydantic import BaseModel
+
+from harnessrl import registry
 from harnessrl.apps.cli import build_parser
+from harnessrl.config import ServiceConfig, load_config
 from harnessrl.services.controller.config import ControllerConfig
 from harnessrl.services.gateway.config import GatewayConfig
 from harnessrl.services.inference.config import InferenceConfig, VllmSyncConfig
 from harnessrl.services.reward.config import RewardConfig
 from harnessrl.services.trainer.config import TrainerConfig
-from pydantic import BaseModel
-
-from harnessrl import registry
-from harnessrl.config import ServiceConfig, load_config
 
 Obj = dict[str, Any]
 

@@ -109,10 +109,9 @@ def test_a_harness_may_not_inherit_the_services_settings() -> None:
     ],
 )
 def test_short_shared_secrets_are_refused_naming_the_field(section: str, field: str) -> None:
+    from harnessrl.config import MIN_SECRET_CHARS
     from harnessrl.services.controller.config import ControllerConfig
     from harnessrl.services.gateway.config import GatewayConfig
-
-    from harnessrl.config import MIN_SECRET_CHARS
 
     cls = GatewayConfig if section == "gateway" else ControllerConfig
     short, enough = "s" * (MIN_SECRET_CHARS - 1), "s" * MIN_SECRET_CHARS

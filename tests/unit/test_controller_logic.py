@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from harnessrl.services.controller.admission import EpisodeAdmission
 from harnessrl.services.controller.lifecycle import (
     AttemptState,
@@ -15,7 +16,6 @@ from harnessrl.services.controller.lifecycle import (
 )
 from harnessrl.services.controller.runner import RunResult, parse_result
 from harnessrl.services.controller.status import summarise
-
 from harnessrl.v1 import events_pb2 as pb
 
 

@@ -25,15 +25,15 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+
+from harnessrl import registry
 from harnessrl.apps.cli import build_parser
+from harnessrl.config import PLACEHOLDER_PREFIX, ServiceConfig, load_config
 from harnessrl.services.controller.config import ControllerConfig, GatewayReplica
 from harnessrl.services.controller.kubernetes_job import JobTemplate
 from harnessrl.services.controller.runner import LaunchSpec
 from harnessrl.services.gateway.config import GatewayConfig
 from harnessrl.services.trainer.config import TrainerConfig
-
-from harnessrl import registry
-from harnessrl.config import PLACEHOLDER_PREFIX, ServiceConfig, load_config
 
 pytestmark = pytest.mark.skipif(
     shutil.which("kubectl") is None,

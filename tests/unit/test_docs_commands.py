@@ -18,6 +18,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+
 from harnessrl.apps.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,6 @@ from harnessrl.apps.doctor.wire_read import (
     unparsed_cause,
 )
 from harnessrl.services.gateway.config import GatewaySection
-
 from harnessrl.v1 import events_pb2 as pb
 
 

@@ -9,11 +9,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from harnessrl.apps.cli import build_parser, main
 from harnessrl.apps.cli.episode import shell_exports
 from harnessrl.apps.up.manual_episodes import ManualEpisode
 from harnessrl.apps.up.stackfile import STACK_FILE, GatewayAccess, write_stack_file
-
 from harnessrl.broker import free_port
 
 OPEN_FLAGS = ["--mode", "--stack", "--group", "--ttl", "--json"]

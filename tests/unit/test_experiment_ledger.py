@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from harnessrl.apps.experiment.ledger import TRAIN, VAL_AFTER, VAL_BEFORE, RunLedger
 from harnessrl.apps.experiment.scrape import parse
-
 from harnessrl.v1 import events_pb2 as pb
 
 

@@ -6,8 +6,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from harnessrl.apps.experiment.report import write_report
 from matplotlib import image
+
+from harnessrl.apps.experiment.report import write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
+
 from harnessrl.services.controller.forkserver import ForkServer, forkable
 
 SCRIPT = """

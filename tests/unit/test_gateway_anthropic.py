@@ -28,6 +28,7 @@ from anthropic.types import (
     ToolUseBlock,
 )
 from anthropic.types.shared import ErrorResponse
+
 from harnessrl.services.gateway.dialects.anthropic_request import (
     TOOL_ERROR_PREFIX,
     ChatRequest,

@@ -6,7 +6,12 @@ import asyncio
 import hmac
 import time
 
+import orjson
 import pytest
+from prometheus_client import CollectorRegistry
+
+from harnessrl.episode_token import EpisodeClaims
+from harnessrl.http import Request
 from harnessrl.services.gateway.admin import Admin
 from harnessrl.services.gateway.config import SamplingOverrides
 from harnessrl.services.gateway.control import Gate, Paused
@@ -15,11 +20,7 @@ from harnessrl.services.gateway.dialects.openai_completions import CompletionsDi
 from harnessrl.services.gateway.dialects.openai_passthrough import Passthrough
 from harnessrl.services.gateway.episodes import EpisodeBook, EpisodeClosedError
 from harnessrl.services.gateway.metrics import GatewayMetrics
-from prometheus_client import CollectorRegistry
-
-from harnessrl.episode_token import EpisodeClaims
-from harnessrl.http import Request
-from harnessrl.trust.capture import Completion, take
+from harnessrl.trust.capture import Completion, StreamCapture, take
 from harnessrl.trust.contract import CHAT_PATH, COMPLETIONS_PATH, engine_request
 
 CLAIMS = EpisodeClaims("ep", 1, "g", "train", time.time() + 86_400)
@@ -128,6 +129,39 @@ def test_stream_chunks_fold_into_per_choice_completions() -> None:
         completions=completions,
     )
     assert completions[0] == Completion([1, 2, 3], [7, 8, 9], [-0.5, -1.5, -0.1], "stop")
+
+
+def _chunk(token: int) -> bytes:
+    return orjson.dumps(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "x",
+                    "token_ids": [token],
+                    "logprobs": {"token_logprobs": [-1.0]},
+                }
+            ]
+        }
+    )
+
+
+def test_only_a_stream_that_ran_to_its_done_without_an_error_is_captured() -> None:
+    whole = StreamCapture(chat=False)
+    assert whole.event(_chunk(5)) is not None and not whole.finished  # not over yet
+    assert whole.event(b"[DONE]") is None
+    assert whole.finished and whole.completions[0].ids == [5]
+    with pytest.raises(ValueError, match="over"):
+        whole.event(_chunk(6))  # nothing after the end is folded in
+    failed = StreamCapture(chat=False)
+    failed.event(_chunk(5))
+    assert failed.event(b'{"error": {"message": "generation failed"}}') is not None
+    assert failed.failed and not failed.finished
+    with pytest.raises(ValueError):
+        failed.event(b"[DONE]")  # a [DONE] after an error does not make it whole
+    cut = StreamCapture(chat=False)
+    cut.event(_chunk(5))
+    assert not cut.finished  # the engine's stream ended without [DONE]
 
 
 def test_completions_fold_per_choice_prompts() -> None:
@@ -245,7 +279,6 @@ def test_an_episode_ranks_engines_the_same_way_every_time() -> None:
 
 def test_an_engine_version_is_its_highest_successful_load_and_snapshots_stay_put() -> None:
     from harnessrl.services.gateway.versions import EngineVersions
-
     from harnessrl.v1 import events_pb2 as pb
 
     versions = EngineVersions()

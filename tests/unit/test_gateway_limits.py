@@ -12,6 +12,12 @@ import orjson
 import pytest
 from anthropic.types import ModelInfo
 from anthropic.types.shared import ErrorResponse
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from openai.types import ErrorObject, Model
+from prometheus_client import CollectorRegistry
+
+from harnessrl.http import ClientResponse
 from harnessrl.services.gateway.budget import TEMPLATE_MARGIN, Budget
 from harnessrl.services.gateway.depth import check_depth
 from harnessrl.services.gateway.errors import (
@@ -23,12 +29,6 @@ from harnessrl.services.gateway.errors import (
 )
 from harnessrl.services.gateway.metrics import GatewayMetrics
 from harnessrl.services.gateway.models import Models
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from openai.types import ErrorObject, Model
-from prometheus_client import CollectorRegistry
-
-from harnessrl.http import ClientResponse
 from harnessrl.trust.contract import TOKENIZE_PATH
 
 # -- the JSON depth limit -----------------------------------------------------------------------

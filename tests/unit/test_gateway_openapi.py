@@ -9,13 +9,13 @@ from typing import Any
 
 import jsonschema
 import pytest
-from harnessrl.services.gateway.dialects.anthropic import MessagesDialect
-from harnessrl.services.gateway.errors import GatewayError
-from harnessrl.services.gateway.openapi import document
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harnessrl.episode_token import EpisodeClaims
+from harnessrl.services.gateway.dialects.anthropic import MessagesDialect
+from harnessrl.services.gateway.errors import GatewayError
+from harnessrl.services.gateway.openapi import document
 
 CLAIMS = EpisodeClaims("ep", 1, "g", "train", 4_000_000_000.0)
 BASE = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}

@@ -6,11 +6,11 @@ import time
 from collections import Counter
 
 import pytest
-from harnessrl.services.controller.config import ControllerSection, GatewayReplica
-from harnessrl.services.controller.gateway_admin import owner
 from pydantic import SecretStr, ValidationError
 
 from harnessrl.episode_token import EpisodeClaims, mint, verify
+from harnessrl.services.controller.config import ControllerSection, GatewayReplica
+from harnessrl.services.controller.gateway_admin import owner
 
 SECRET = b"replica-routing-secret-0123456789"
 

@@ -14,6 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harnessrl.episode_token import EpisodeClaims
 from harnessrl.services.gateway.config import GatewaySection
 from harnessrl.services.gateway.dialects.anthropic import MessagesDialect
 from harnessrl.services.gateway.dialects.anthropic_request import ChatRequest, messages_to_chat
@@ -23,10 +27,6 @@ from harnessrl.services.gateway.dialects.openai_completions import CompletionsDi
 from harnessrl.services.gateway.dialects.openai_passthrough import Passthrough
 from harnessrl.services.gateway.errors import ANTHROPIC as ANTHROPIC_ERRORS
 from harnessrl.services.gateway.errors import GatewayError
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from harnessrl.episode_token import EpisodeClaims
 from harnessrl.trust.contract import CHAT_PATH, engine_request
 
 JSON: st.SearchStrategy[Any] = st.recursive(

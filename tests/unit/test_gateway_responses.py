@@ -20,6 +20,11 @@ import openai
 import orjson
 import pydantic
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from openai.types.responses import Response, ResponseStreamEvent
+
+from harnessrl.episode_token import EpisodeClaims
 from harnessrl.services.gateway.dialects.responses import ResponsesDialect
 from harnessrl.services.gateway.dialects.responses_output import Echo, chat_to_response
 from harnessrl.services.gateway.dialects.responses_request import (
@@ -30,11 +35,6 @@ from harnessrl.services.gateway.dialects.responses_store import ResponseStore, S
 from harnessrl.services.gateway.dialects.responses_stream import ResponseStream
 from harnessrl.services.gateway.errors import OPENAI, GatewayError
 from harnessrl.services.inference.protocol import ChatCompletionRequest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from openai.types.responses import Response, ResponseStreamEvent
-
-from harnessrl.episode_token import EpisodeClaims
 from tests.unit.test_gateway_request_fuzz import mutated
 
 MODEL = "gpt-5-codex"

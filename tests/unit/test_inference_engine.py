@@ -8,11 +8,12 @@ import math
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
 from harnessrl.services.inference.engine import Engine, EngineRequest
 from harnessrl.services.inference.kv import RunningBatch, cache_argument, positions_from_mask
 from harnessrl.services.inference.sampling import SamplingParams, generator_for, sample
-from prometheus_client import CollectorRegistry
-from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 VOCAB = 96
 

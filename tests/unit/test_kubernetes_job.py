@@ -9,6 +9,8 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from kubernetes_asyncio.client.exceptions import ApiException
+
 from harnessrl.services.controller import kubernetes_status as status
 from harnessrl.services.controller.kubernetes_api import is_transient
 from harnessrl.services.controller.kubernetes_job import (
@@ -18,7 +20,6 @@ from harnessrl.services.controller.kubernetes_job import (
     label_value,
 )
 from harnessrl.services.controller.runner import LaunchSpec
-from kubernetes_asyncio.client.exceptions import ApiException
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")

@@ -11,11 +11,11 @@ from typing import NamedTuple
 
 import pytest
 import torch
+
+from harnessrl.bus.offsets import OffsetTracker
 from harnessrl.services.trainer import checkpoint, ledger
 from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
 from harnessrl.services.trainer.ledger import DeliveryLedger, LedgerState
-
-from harnessrl.bus.offsets import OffsetTracker
 from harnessrl.trust.batching import Batcher
 from harnessrl.v1 import events_pb2 as pb
 

@@ -8,7 +8,6 @@ import logging
 import time
 
 import pytest
-from harnessrl.services.gateway.config import GatewayConfig, GatewaySection
 from opentelemetry.sdk.trace import TracerProvider
 from pydantic import SecretStr
 
@@ -16,6 +15,7 @@ from harnessrl.config import KafkaSettings, LogSettings, secret_values
 from harnessrl.episode_token import EpisodeClaims, mint
 from harnessrl.logs import configure_logging, get_logger
 from harnessrl.runtime import serve
+from harnessrl.services.gateway.config import GatewayConfig, GatewaySection
 
 
 def test_json_lines_carry_fields_and_the_current_trace_id() -> None:

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
 from harnessrl.services.inference.adapter import LoraOverlay
 from harnessrl.services.trainer.config import LoraSection, TrainerSection
 from harnessrl.services.trainer.distributed import World
@@ -22,8 +24,6 @@ from harnessrl.services.trainer.lora import (
     write_adapter_dir,
 )
 from harnessrl.services.trainer.policy import Policy
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
 from harnessrl.trust.packing import SampleArrays
 from harnessrl.v1 import weights_pb2 as pb
 from harnessrl.weights import WeightSyncError, build_manifest, verify_manifest

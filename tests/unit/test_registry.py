@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 
 import pytest
+
+from harnessrl import registry
 from harnessrl.apps.chaos import KILLABLE
 from harnessrl.apps.cli import build_parser
 from harnessrl.apps.cli.config_cmd import SERVICES as SHOWN
 from harnessrl.apps.up.plan import OPTIONAL
-
-from harnessrl import registry
 from harnessrl.config import ServiceConfig
 
 

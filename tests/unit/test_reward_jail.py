@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from harnessrl.bubblewrap import Mount
 from harnessrl.services.reward.jail import (
     GUARD_MODULE,
     GUARD_SOURCE,
@@ -15,8 +16,6 @@ from harnessrl.services.reward.jail import (
     python_prefixes,
     site_dirs,
 )
-
-from harnessrl.bubblewrap import Mount
 
 
 def _venv(root: Path) -> Path:

@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
+
 from harnessrl.services.reward.answer import AnswerReward, matches
 from harnessrl.services.reward.config import AnswerSettings, RewardSection
 from harnessrl.services.reward.episode import Episode, InvalidScore, Score, to_score
 from harnessrl.services.reward.scoring import CallPolicy, assign
 from harnessrl.services.reward.sources import FunctionScorer, load_entrypoint, make_scorer
-from pydantic import ValidationError
-
 from harnessrl.v1 import events_pb2 as pb
 
 

@@ -18,10 +18,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from google.protobuf.message import Message
-from harnessrl.services.sample_builder.config import SampleBuilderSection
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from harnessrl.services.sample_builder.config import SampleBuilderSection
 from harnessrl.trust.group import MAX_COPIES, Group
 from harnessrl.trust.samples import Built, build
 from harnessrl.v1 import events_pb2 as pb

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
+
 from harnessrl.services.controller.config import ControllerSection, SandboxSettings
 from harnessrl.services.controller.local import local_runner
 from harnessrl.services.controller.sandbox_plan import (
@@ -17,7 +19,6 @@ from harnessrl.services.controller.sandbox_plan import (
     file_mounts,
     sandbox_env,
 )
-from pydantic import ValidationError
 
 
 def _option_values(argv: list[str], option: str) -> list[str]:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from harnessrl.apps.up import manual_episodes
 from harnessrl.apps.up.plan import UpError, build_plan
 from harnessrl.apps.up.stackfile import (

@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 import pytest
+
 from harnessrl.apps.swe.clean import CleanSettings, clean, split_by_project
 from harnessrl.apps.swe.tasks import SweTask, is_test_path, patch_paths, read_records, to_record
 

@@ -11,6 +11,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+
 from harnessrl.apps.swe.statement import Failure, problem_statement
 
 BUGGY = textwrap.dedent(

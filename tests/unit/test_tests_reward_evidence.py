@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 import pytest
+
 from harnessrl.services.reward import config
 from harnessrl.services.reward.coding_task import CodingTask
 from harnessrl.services.reward.evidence import (

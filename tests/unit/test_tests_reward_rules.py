@@ -4,6 +4,7 @@ paths are refused (`patch_rules`), pure functions over paths and contents."""
 from __future__ import annotations
 
 import pytest
+
 from harnessrl.services.reward.patch_rules import (
     Pristine,
     leftovers,

@@ -15,7 +15,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from harnessrl.apps.cli import main
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
@@ -23,6 +22,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags
 
+from harnessrl.apps.cli import main
 from harnessrl.telemetry import extract_context, inject_headers, span_ids
 from harnessrl.telemetry.jsonl import JsonLinesSpanExporter, read_spans
 from harnessrl.telemetry.tracetree import (

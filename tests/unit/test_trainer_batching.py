@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harnessrl.trust.batching import Batcher
+from harnessrl.trust.batching import Batcher, Staleness
 from harnessrl.v1 import events_pb2 as pb
 
 
@@ -35,3 +35,16 @@ def test_a_sample_that_grew_stale_while_waiting_is_dropped_when_the_batch_is_tak
     assert batcher.dropped_tokens["stale"] == 4
     second = batcher.take(version=6)
     assert [s.sample_id for s in second.samples] == ["new/0"] and second.tokens == 3
+
+
+def test_one_rule_decides_staleness_at_arrival_and_when_taken() -> None:
+    """A sample below the ledger's horizon is stale however few versions behind it is, and
+    the horizon a batcher was told at arrival still holds when the batch is taken."""
+    rule = Staleness(max_versions=2)
+    assert not rule.stale(version=5, oldest=3)
+    assert rule.stale(version=5, oldest=2)
+    assert rule.stale(version=5, oldest=4, horizon=5)
+    batcher = Batcher(batch_groups=2, batch_tokens=None, max_staleness=10)
+    assert batcher.add(group("a", 4), version=5, trained=set())
+    assert not batcher.add(group("b", 3), version=5, trained=set(), horizon=4)
+    assert batcher.take(version=5).samples[0].sample_id == "a/0"

@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
+
 from harnessrl.apps.cli import build_parser, main
 from harnessrl.services.trainer import cli as trainer_cli
 from harnessrl.services.trainer.config import LoraSection, ShardingSection, TrainerSection
 from harnessrl.services.trainer.plan import GiB, check_fits, plan
 from harnessrl.services.trainer.policy import Policy
-from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny-model"

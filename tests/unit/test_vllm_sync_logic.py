@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from harnessrl.services.inference.vllm_sync import PolicyBook
-
 from harnessrl.v1 import events_pb2 as pb
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from harnessrl.episode_token import EpisodeClaims
 from harnessrl.services.gateway.dialects.anthropic_request import messages_to_chat
 from harnessrl.services.gateway.dialects.anthropic_response import (
     MessageStream,
@@ -21,8 +22,6 @@ from harnessrl.services.gateway.dialects.anthropic_response import (
 )
 from harnessrl.services.gateway.dialects.base import EngineCall
 from harnessrl.services.gateway.errors import ANTHROPIC, ErrorShape
-
-from harnessrl.episode_token import EpisodeClaims
 from harnessrl.trust.contract import CHAT_PATH
 from harnessrl.v1 import events_pb2 as pb
 

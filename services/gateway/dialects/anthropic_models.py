@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from harnessrl.services.gateway.errors import GatewayError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
+
+from harnessrl.services.gateway.errors import GatewayError
 
 
 def invalid(message: str) -> GatewayError:

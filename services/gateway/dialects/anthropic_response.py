@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
 from harnessrl.services.gateway.errors import ANTHROPIC
 
 RAW_ARGUMENTS_KEY = "_raw_arguments"

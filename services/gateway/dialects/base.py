@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from harnessrl.services.gateway.errors import ErrorShape
-
 from harnessrl.episode_token import EpisodeClaims
+from harnessrl.services.gateway.errors import ErrorShape
 
 
 class StreamRenderer(Protocol):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from harnessrl.episode_token import EpisodeClaims
 from harnessrl.services.gateway.dialects.base import EngineCall
 from harnessrl.services.gateway.dialects.openai_passthrough import (
     Passthrough,
@@ -15,8 +16,6 @@ from harnessrl.services.gateway.dialects.openai_passthrough import (
     check_model,
 )
 from harnessrl.services.gateway.errors import OPENAI, ErrorShape, invalid
-
-from harnessrl.episode_token import EpisodeClaims
 from harnessrl.trust.contract import COMPLETIONS_PATH
 from harnessrl.v1 import events_pb2 as pb
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
 from harnessrl.services.gateway.errors import OPENAI, invalid
 
 MODEL_CHARS = 256

@@ -13,15 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from harnessrl.episode_token import EpisodeClaims
+from harnessrl.http import Response
 from harnessrl.services.gateway.dialects.base import EngineCall
 from harnessrl.services.gateway.dialects.responses_output import Echo, chat_to_response
 from harnessrl.services.gateway.dialects.responses_request import responses_to_chat
 from harnessrl.services.gateway.dialects.responses_store import Key, ResponseStore, Stored
 from harnessrl.services.gateway.dialects.responses_stream import ResponseStream
 from harnessrl.services.gateway.errors import OPENAI, ErrorShape, GatewayError, invalid, respond
-
-from harnessrl.episode_token import EpisodeClaims
-from harnessrl.http import Response
 from harnessrl.trust.contract import CHAT_PATH
 from harnessrl.v1 import events_pb2 as pb
 

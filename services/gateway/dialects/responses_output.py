@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
 from harnessrl.services.gateway.dialects.responses_request import CUSTOM_INPUT
 
 _ECHOED = ("instructions", "max_output_tokens", "previous_response_id", "reasoning", "text")

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
 from harnessrl.services.gateway.dialects.openai_passthrough import check_model
 from harnessrl.services.gateway.errors import invalid
 

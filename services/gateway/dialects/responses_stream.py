@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
+
 from harnessrl.services.gateway.dialects.responses_output import (
     Echo,
     call_item,

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors.torch import save_file
+
 from harnessrl.services.trainer.config import TrainerSection
 from harnessrl.services.trainer.policy import Policy
 from harnessrl.services.trainer.sharding import full
-from safetensors.torch import save_file
-
 from harnessrl.trust.packing import SampleArrays
 from harnessrl.v1 import events_pb2 as pb
 
