@@ -19,8 +19,11 @@ request path or a secret in an exception's text never reaches a log line.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
+import threading
+import weakref
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import IO, Any
@@ -46,16 +49,35 @@ class Redactor:
     """Masks episode tokens and the given secret values in text (as written, or as JSON
     escapes them inside a string)."""
 
-    __slots__ = ("_pattern",)
+    __slots__ = ("_needles", "_pattern")
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         values = {s for s in secrets if len(s) >= _MIN_SECRET}
         values |= {orjson.dumps(s).decode()[1:-1] for s in values}
         alternatives = [re.escape(v) for v in sorted(values, key=len, reverse=True)]
         self._pattern = re.compile("|".join([_TOKEN_SHAPE, *alternatives]))
+        # What every match contains: a line with none of them is returned as it is, without
+        # running the pattern (substring search is a fraction of the regular expression's
+        # cost, and almost no line holds a secret).
+        self._needles = ("eyJ", *sorted(values))
 
     def __call__(self, text: str) -> str:
+        if not any(needle in text for needle in self._needles):
+            return text
         return self._pattern.sub(_MASK, text)
+
+
+_secret_names: dict[str, bool] = {}
+
+
+def _is_secret_name(key: str) -> bool:
+    """Whether a field's name looks like a secret's (remembered: field names repeat)."""
+    known = _secret_names.get(key)
+    if known is None:
+        known = bool(_SECRET_NAME.search(key))
+        if len(_secret_names) < 10_000:  # names come from code, but bound it anyway
+            _secret_names[key] = known
+    return known
 
 
 class Log:
@@ -101,7 +123,7 @@ def _record_data(record: logging.LogRecord, service: str) -> dict[str, Any]:
         "msg": record.getMessage(),
     }
     for key, value in getattr(record, _FIELDS, {}).items():
-        data[key] = _MASK if _SECRET_NAME.search(key) else value
+        data[key] = _MASK if _is_secret_name(key) else value
     ctx = trace.get_current_span().get_span_context()
     if ctx.is_valid:
         data["trace_id"] = format(ctx.trace_id, "032x")
@@ -149,6 +171,85 @@ def _text(value: Any) -> str:
     return f'"{text}"' if " " in text else text
 
 
+class BatchingHandler(logging.StreamHandler[IO[str]]):
+    """Writes lines below WARNING in batches: held at most `interval_s` (or until 64 KiB
+    are waiting), so a busy service makes a few writes a second instead of one per line. A
+    warning or an error is written at once, after the lines before it; a fork, `flush()`
+    and the interpreter's exit write what is held. What a SIGKILL loses is at most
+    `interval_s` of lines below WARNING."""
+
+    def __init__(self, stream: IO[str], interval_s: float) -> None:
+        super().__init__(stream)
+        self.interval_s = interval_s
+        self._held: list[str] = []
+        self._held_chars = 0
+        _BATCHING.add(self)
+        self._start()
+
+    def emit(self, record: logging.LogRecord) -> None:  # called with self.lock held
+        try:
+            line = self.format(record) + self.terminator
+        except Exception:
+            self.handleError(record)
+            return
+        self._held.append(line)
+        self._held_chars += len(line)
+        if record.levelno >= logging.WARNING or self._held_chars >= _BATCH_CHARS:
+            self._write()
+
+    def flush(self) -> None:
+        self.acquire()
+        try:
+            self._write()
+        finally:
+            self.release()
+
+    def _write(self) -> None:
+        if not self._held:
+            return
+        text, self._held, self._held_chars = "".join(self._held), [], 0
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):
+            pass  # a closed or broken stream: nowhere to write; the service goes on
+
+    def _start(self) -> None:
+        ref = weakref.ref(self)
+
+        def flusher() -> None:
+            while (handler := ref()) is not None:
+                interval = handler.interval_s
+                del handler
+                threading.Event().wait(interval)
+                if (handler := ref()) is not None:
+                    handler.flush()
+                del handler
+
+        threading.Thread(target=flusher, name="log-flush", daemon=True).start()
+
+    def _after_fork_in_child(self) -> None:
+        self._held, self._held_chars = [], 0  # the parent writes those
+        self._start()
+
+
+_BATCH_CHARS = 64 * 1024
+_BATCHING: weakref.WeakSet[BatchingHandler] = weakref.WeakSet()
+
+
+def _before_fork() -> None:
+    for handler in list(_BATCHING):
+        handler.flush()
+
+
+def _after_fork_in_child() -> None:
+    for handler in list(_BATCHING):
+        handler._after_fork_in_child()
+
+
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+
+
 def configure_logging(
     service: str,
     settings: LogSettings,
@@ -160,11 +261,25 @@ def configure_logging(
 
     Called once by a process entry point; replaces handlers installed earlier.
     """
-    handler = logging.StreamHandler(stream or sys.stderr)
+    # What a record costs besides our formatting: no caller lookup (a walk up the stack for
+    # a file name and line number no line shows), no thread, process or task names (logging's
+    # documented switches; lines carry the service, logger and trace ids instead).
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
+    handler: logging.StreamHandler[IO[str]] = (
+        BatchingHandler(stream or sys.stderr, settings.batch_s)
+        if settings.batch_s > 0
+        else logging.StreamHandler(stream or sys.stderr)
+    )
     kind = JsonFormatter if settings.format == "json" else TextFormatter
     formatter = kind(service, secrets)
     handler.setFormatter(formatter)
     root = logging.getLogger()
+    for old in root.handlers:
+        if isinstance(old, BatchingHandler):
+            old.flush()
     root.handlers[:] = [handler]
     root.setLevel(settings.level)
     # aiokafka's INFO lines (every join, every fetch reset) drown the service's own.

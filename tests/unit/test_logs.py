@@ -18,13 +18,42 @@ from harnessrl.runtime import serve
 from harnessrl.services.gateway.config import GatewayConfig, GatewaySection
 
 
+def _written(stream: io.StringIO) -> str:
+    """What the service has written once its held lines are flushed."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    return stream.getvalue()
+
+
+def test_lines_below_warning_are_written_in_batches_and_a_warning_at_once() -> None:
+    stream = io.StringIO()
+    configure_logging("gateway", LogSettings(format="json", batch_s=0.05), stream)
+    log = get_logger("harnessrl.test")
+    log.info("first")
+    log.info("second")
+    assert stream.getvalue() == ""  # held
+    log.warning("third")
+    assert [json.loads(x)["msg"] for x in stream.getvalue().splitlines()] == [
+        "first", "second", "third",
+    ]  # fmt: skip
+    log.info("fourth")
+    deadline = time.monotonic() + 5
+    while "fourth" not in stream.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "fourth" in stream.getvalue()  # written by the flusher within its interval
+    configure_logging("gateway", LogSettings(format="json", batch_s=0), stream)
+    log.info("fifth")
+    assert "fifth" in stream.getvalue()  # batch_s 0: every line at once
+    logging.getLogger().handlers.clear()
+
+
 def test_json_lines_carry_fields_and_the_current_trace_id() -> None:
     stream = io.StringIO()
     configure_logging("reward", LogSettings(format="json"), stream)
     tracer = TracerProvider().get_tracer("test")
     with tracer.start_as_current_span("work") as span:
         get_logger("harnessrl.test").info("scored", episode="e1", value=0.5)
-    data = json.loads(stream.getvalue().strip())
+    data = json.loads(_written(stream).strip())
     ctx = span.get_span_context()
     assert data["msg"] == "scored"
     assert data["service"] == "reward"
@@ -42,7 +71,7 @@ def test_secret_looking_fields_are_masked() -> None:
     log.info(
         "request", authorization="Bearer sk-secret", api_key="k", admin_token="t", password="p"
     )
-    line = stream.getvalue()
+    line = _written(stream)
     for secret in ("sk-secret", '"k"', '"t"', '"p"'):
         assert secret not in line
     assert line.count("**********") == 4
@@ -54,7 +83,7 @@ def test_token_counts_are_not_taken_for_secrets() -> None:
     get_logger("harnessrl.test").info(
         "step", trained_tokens=7, prompt_tokens=3, classify_retokenization=True, token="t"
     )
-    data = json.loads(stream.getvalue())
+    data = json.loads(_written(stream))
     assert (data["trained_tokens"], data["prompt_tokens"]) == (7, 3)
     assert data["classify_retokenization"] is True and data["token"] == "**********"
 
@@ -63,7 +92,7 @@ def test_text_format_is_one_readable_line() -> None:
     stream = io.StringIO()
     configure_logging("broker", LogSettings(format="text", level="DEBUG"), stream)
     get_logger("x").debug("ready", bootstrap="127.0.0.1:9092", note="two words")
-    line = stream.getvalue().strip()
+    line = _written(stream).strip()
     assert " debug   broker ready bootstrap=127.0.0.1:9092 " in line
     assert 'note="two words"' in line
     logging.getLogger().handlers.clear()
@@ -76,7 +105,7 @@ def test_exceptions_include_the_traceback() -> None:
         raise ValueError("boom")
     except ValueError:
         get_logger("x").exception("failed", step=3)
-    data = json.loads(stream.getvalue().strip())
+    data = json.loads(_written(stream).strip())
     assert "ValueError: boom" in data["exc"]
     assert data["step"] == 3
 
@@ -95,7 +124,7 @@ def test_episode_tokens_are_masked_in_fields_messages_and_tracebacks(fmt: str) -
         raise RuntimeError(f"could not use {TOKEN}")
     except RuntimeError:
         log.exception("failed")
-    text = stream.getvalue()
+    text = _written(stream)
     logging.getLogger().handlers.clear()
     assert TOKEN not in text and TOKEN.split(".")[1] not in text
     assert "/e/**********/v1/chat/completions" in text
@@ -110,7 +139,7 @@ def test_registered_secret_values_are_masked_wherever_they_appear() -> None:
     log.warning("closing failed", error=f"HTTP 401 for Bearer {secrets[0]}")
     log.info(secrets[1], detail={"header": secrets[1]})
     log.info("a short word", word="short")
-    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    lines = [json.loads(line) for line in _written(stream).splitlines()]
     logging.getLogger().handlers.clear()
     assert lines[0]["error"] == "HTTP 401 for Bearer **********"
     assert lines[1]["msg"] == "**********" and lines[1]["detail"] == {"header": "**********"}

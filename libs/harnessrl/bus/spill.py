@@ -42,6 +42,11 @@ _I32 = struct.Struct("<i")
 _U32 = struct.Struct("<I")
 _SEGMENT_BYTES = 64 * 1024 * 1024
 _PERSIST_INTERVAL_S = 0.2
+_RECENT_BYTES = 8 * 1024 * 1024
+"""Records appended by this run are also kept in memory up to this many bytes, so reading
+them back (the write-ahead path: every record goes through the log) does not read, check
+and decode what was just written. The log on disk is the same either way; only a replay
+after a restart reads it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +119,9 @@ class SpillLog:
         self._persisted_at = 0.0
         self.replay_end: Position = (1, 0)
         """Write position at open: records before it were written by an earlier run."""
+        self._recent: deque[tuple[Position, Position, SpilledRecord, int]] = deque()
+        """(start, end, record, frame bytes) of records appended and not yet read."""
+        self._recent_bytes = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -180,6 +188,9 @@ class SpillLog:
         if self._fsync:
             os.fsync(self._write_fd)
         self._write_pos = (segment, offset + len(frame))
+        if self._recent_bytes + len(frame) <= _RECENT_BYTES:
+            self._recent.append(((segment, offset), self._write_pos, record, len(frame)))
+            self._recent_bytes += len(frame)
         return self._write_pos
 
     @property
@@ -199,6 +210,14 @@ class SpillLog:
         """
         if not self.has_unread:
             raise EOFError("spill log has no unread record")
+        while self._recent and self._recent[0][0] < self._read_pos:
+            self._recent_bytes -= self._recent.popleft()[3]  # read from disk already
+        if self._recent and self._recent[0][0] == self._read_pos:
+            _, end, record, size = self._recent.popleft()
+            self._recent_bytes -= size
+            self._read_pos = end
+            self._outstanding.append(end)
+            return end, record
         segment, offset = self._read_pos
         fd = self._read_fd(segment)
         header = os.pread(fd, _FRAME.size, offset)
