@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from harnessrl.apps.swe.tasks import SweTask, read_records, to_harnessrl
+from harnessrl.apps.swe.swebench import SweTask, read_records, to_harnessrl
 from harnessrl.services.reward.config import TestsSettings
 from harnessrl.services.reward.episode import standalone_episode
 from harnessrl.services.reward.patch_tests import TestsReward

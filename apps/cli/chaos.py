@@ -68,7 +68,7 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harnessrl.apps.chaos.run import ChaosError, ChaosOptions, run_chaos
+    from harnessrl.apps.chaos.trial import ChaosError, ChaosOptions, run_chaos
     from harnessrl.apps.up.plan import UpError
 
     if args.minutes <= 0 or args.kill_every <= 0 or args.freeze < 0 or args.freezes < 0:

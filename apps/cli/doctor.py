@@ -72,7 +72,7 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harnessrl.apps.doctor.run import DoctorError, DoctorOptions, run_doctor
+    from harnessrl.apps.doctor.diagnose import DoctorError, DoctorOptions, run_doctor
 
     if args.config is None and args.stack is None:
         raise CliError("give --config (start a stack) or --stack (use a running one)")

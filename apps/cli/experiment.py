@@ -55,8 +55,8 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from harnessrl.apps.experiment.driver import ExperimentError, ExperimentOptions, run_experiment
     from harnessrl.apps.experiment.report import write_report
-    from harnessrl.apps.experiment.run import ExperimentError, ExperimentOptions, run_experiment
 
     if (args.config is None) == (args.stack is None):
         raise CliError("give exactly one of --config (start a stack) and --stack (use one)")

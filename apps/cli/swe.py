@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from harnessrl.command import CliError, Progress
 
 if TYPE_CHECKING:
-    from harnessrl.apps.swe.tasks import SweTask
+    from harnessrl.apps.swe.swebench import SweTask
 
 
 def register(commands: Any) -> None:
@@ -187,7 +187,7 @@ def run_clean(args: argparse.Namespace) -> int:
     import orjson
 
     from harnessrl.apps.swe.clean import CleanSettings, clean, split_by_project
-    from harnessrl.apps.swe.tasks import read_records, to_harnessrl, to_record
+    from harnessrl.apps.swe.swebench import read_records, to_harnessrl, to_record
     from harnessrl.apps.swe.validate import ValidateSettings, validate_all
 
     if not args.file.is_file():

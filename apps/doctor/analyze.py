@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from harnessrl.apps.doctor import merging, wire
+from harnessrl.apps.doctor import chains, traffic
+from harnessrl.apps.doctor.attempt import EpisodeView
 from harnessrl.apps.doctor.checks import (
     FAIL,
     NA,
@@ -29,8 +30,7 @@ from harnessrl.apps.doctor.checks import (
     worst,
 )
 from harnessrl.apps.doctor.collect import Collected
-from harnessrl.apps.doctor.episode import EpisodeView
-from harnessrl.apps.doctor.wire_read import MARKUPS, read_call
+from harnessrl.apps.doctor.traffic_read import MARKUPS, read_call
 from harnessrl.services.sample_builder.config import SampleBuilderSection
 from harnessrl.trust.group import Group
 from harnessrl.trust.merging import merge
@@ -80,10 +80,10 @@ def analyze(collected: Collected, settings: Settings, decode: Decode | None) -> 
                 rewards.append(state.reward.value)
         group_rewards.append(rewards)
     sections = {
-        "merging": merging.section(episodes, decode),
+        "merging": chains.section(episodes, decode),
         "tokens": _tokens(episodes, books),
-        "tools": wire.tools_section(episodes),
-        "wire": wire.wire_section(episodes, collected, train),
+        "tools": traffic.tools_section(episodes),
+        "wire": traffic.wire_section(episodes, collected, train),
         "outcome": _outcome(episodes, group_rewards),
     }
     checks = [c for name in sections for c in sections[name].pop("_checks")]

@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from harnessrl.apps.swe.tasks import SchemaError, SweTask, is_test_path, patch_paths
+from harnessrl.apps.swe.swebench import SchemaError, SweTask, is_test_path, patch_paths
 
 _WORD = re.compile(r"\w+")
 _HUNK = re.compile(r"^@@ [^@]* @@", re.M)

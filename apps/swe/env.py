@@ -205,9 +205,9 @@ async def _run_jailed(
 ) -> TestRun:
     from harnessrl.services.reward import evidence as proof
     from harnessrl.services.reward.config import TestsSettings
+    from harnessrl.services.reward.group_run import clean_env
     from harnessrl.services.reward.jail import GuardView, Jail, python_prefixes
     from harnessrl.services.reward.patch_tests import JUNIT_IN_JAIL, PYTEST_ADDOPTS
-    from harnessrl.services.reward.sandbox import clean_env
 
     env = clean_env(Path("/tmp"), Path("/tmp")) | {
         "PYTEST_ADDOPTS": PYTEST_ADDOPTS,

@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from harnessrl.apps.swe.tasks import is_test_path
+from harnessrl.apps.swe.swebench import is_test_path
 
 _PYTEST_AT = re.compile(r"^(\S+\.py):\d+:(?: \w*)?$")
 _PYTHON_AT = re.compile(r'^\s*File "([^"]+)", line \d+')

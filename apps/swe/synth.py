@@ -72,7 +72,7 @@ from harnessrl.apps.swe.mutate import Mutation, mutations
 from harnessrl.apps.swe.projects import Project
 from harnessrl.apps.swe.repository import export, task_repository, unified_patch
 from harnessrl.apps.swe.statement import Failure, problem_statement
-from harnessrl.apps.swe.tasks import is_test_path
+from harnessrl.apps.swe.swebench import is_test_path
 
 STAGES = ("fetch", "environment", "baseline", "candidates", "check", "task")
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.apps.swe.env import EnvError, blocking
-from harnessrl.apps.swe.tasks import SweTask, to_harnessrl
+from harnessrl.apps.swe.swebench import SweTask, to_harnessrl
 from harnessrl.services.reward.coding_task import CodingTask
 from harnessrl.services.reward.config import TestsSettings
 from harnessrl.services.reward.episode import standalone_episode

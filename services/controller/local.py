@@ -22,7 +22,6 @@ which passes SIGTERM on to every process of the run and whose death ends them al
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 import shutil
@@ -35,6 +34,7 @@ from typing import IO
 import orjson
 
 from harnessrl.logs import get_logger
+from harnessrl.process_group import group_alive, kill_group, terminate_group
 from harnessrl.services.controller.config import ControllerSection
 from harnessrl.services.controller.forkserver import ForkedProcess, ForkServer, forkable
 from harnessrl.services.controller.runner import (
@@ -149,7 +149,7 @@ class LocalRun:
         if self._done.is_set() or self._process is None:
             return
         self._killed = reason
-        _killpg(self._process.pid, signal.SIGKILL)
+        kill_group(self._process.pid, signal.SIGKILL)
         await self._done.wait()
 
     async def _follow_or_fail(self, timeout_s: float) -> None:
@@ -160,7 +160,7 @@ class LocalRun:
         except Exception as err:
             log.exception("following a harness run failed", episode_id=self.episode_id)
             if self._process is not None:
-                _killpg(self._process.pid, signal.SIGKILL)
+                kill_group(self._process.pid, signal.SIGKILL)
             self._runner.forget(self)
             message = f"the runner failed: {err!r}"
             self._finish(
@@ -183,8 +183,8 @@ class LocalRun:
                 await asyncio.wait_for(process.wait(), timeout_s)
             except TimeoutError:
                 timed_out = True
-                await self._terminate(process)
-            _killpg(process.pid, signal.SIGKILL)  # leftovers: the harness's children
+                await terminate_group(process, self._runner.kill_grace_s)
+            kill_group(process.pid, signal.SIGKILL)  # leftovers: the harness's children
             try:  # a child that escaped the group may hold the pipes open: do not wait forever
                 await asyncio.wait_for(readers, self._runner.kill_grace_s)
             except TimeoutError:
@@ -221,14 +221,6 @@ class LocalRun:
             )
         )
 
-    async def _terminate(self, process: RunProcess) -> None:
-        _killpg(process.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), self._runner.kill_grace_s)
-        except TimeoutError:
-            _killpg(process.pid, signal.SIGKILL)
-            await process.wait()
-
     def _finish(self, result: RunResult) -> None:
         self._result = result
         self._done.set()
@@ -245,21 +237,6 @@ async def _drain(
             written += len(chunk)
         if tail is not None:
             tail.append(line.decode("utf-8", "replace").rstrip("\r\n"))
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class LocalRunner:
@@ -368,8 +345,8 @@ class LocalRunner:
                 continue
             run = LocalRun(self, None, data["episode_id"], data["attempt"], Path(data["workdir"]))
             run.ref = str(data["pid"])
-            if _alive(data["pid"]):
-                _killpg(data["pid"], signal.SIGKILL)
+            if group_alive(data["pid"]):
+                kill_group(data["pid"], signal.SIGKILL)
                 reason = "controller restarted: the run was killed (its outcome is unknowable)"
             else:
                 reason = "controller restarted: the run had ended unobserved"

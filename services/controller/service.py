@@ -33,10 +33,10 @@ from harnessrl.metrics import Labelled
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
 from harnessrl.services.controller.admission import EpisodeAdmission
+from harnessrl.services.controller.attempts import EpisodeRunner, EpisodeTask
 from harnessrl.services.controller.config import MAX_GROUP_SIZE, ControllerConfig, HarnessSpec
-from harnessrl.services.controller.episodes import EpisodeRunner, EpisodeTask
 from harnessrl.services.controller.gateway_admin import Gateways
-from harnessrl.services.controller.lifecycle import EpisodeLedger
+from harnessrl.services.controller.phases import EpisodeLedger
 from harnessrl.services.controller.runner import Runner
 from harnessrl.v1 import events_pb2 as pb
 

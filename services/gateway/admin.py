@@ -24,8 +24,8 @@ from harnessrl.episode_token import EpisodeClaims
 from harnessrl.http import Request, Response
 from harnessrl.logs import get_logger
 from harnessrl.services.gateway.control import Gate
-from harnessrl.services.gateway.episodes import EpisodeBook
 from harnessrl.services.gateway.metrics import GatewayMetrics
+from harnessrl.services.gateway.open_episodes import EpisodeBook
 from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)

@@ -43,7 +43,6 @@ from harnessrl.services.gateway.dialects.openai_chat import ChatDialect
 from harnessrl.services.gateway.dialects.openai_completions import CompletionsDialect
 from harnessrl.services.gateway.dialects.responses import ResponsesDialect
 from harnessrl.services.gateway.engines import UpstreamError
-from harnessrl.services.gateway.episodes import EpisodeClosedError
 from harnessrl.services.gateway.errors import (
     ANTHROPIC,
     OPENAI,
@@ -54,6 +53,7 @@ from harnessrl.services.gateway.errors import (
 )
 from harnessrl.services.gateway.lifecycle import Lifecycle
 from harnessrl.services.gateway.models import Models
+from harnessrl.services.gateway.open_episodes import EpisodeClosedError
 from harnessrl.services.gateway.openapi import document_bytes
 from harnessrl.trust.contract import CHAT_PATH, engine_request
 

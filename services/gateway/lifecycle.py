@@ -38,9 +38,9 @@ from harnessrl.services.gateway.config import GatewaySection
 from harnessrl.services.gateway.control import Gate
 from harnessrl.services.gateway.dialects.base import Dialect, EngineCall
 from harnessrl.services.gateway.engines import EnginePool
-from harnessrl.services.gateway.episodes import EpisodeBook, OpenEpisode
 from harnessrl.services.gateway.errors import render_engine, respond
 from harnessrl.services.gateway.metrics import GatewayMetrics
+from harnessrl.services.gateway.open_episodes import EpisodeBook, OpenEpisode
 from harnessrl.services.gateway.versions import EngineVersions
 from harnessrl.telemetry import extract_context, span_ids
 from harnessrl.trust.capture import (

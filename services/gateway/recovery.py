@@ -19,7 +19,7 @@ from harnessrl.bus.snapshot import read_to_end
 from harnessrl.config import KafkaSettings
 from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, retry
-from harnessrl.services.gateway.episodes import Key, Restored
+from harnessrl.services.gateway.open_episodes import Key, Restored
 
 log = get_logger(__name__)
 

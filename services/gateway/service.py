@@ -24,11 +24,11 @@ from harnessrl.services.gateway.dialects.anthropic import MessagesDialect
 from harnessrl.services.gateway.dialects.responses import ResponsesDialect
 from harnessrl.services.gateway.dialects.responses_store import ResponseStore
 from harnessrl.services.gateway.engines import EnginePool
-from harnessrl.services.gateway.episodes import EpisodeBook
 from harnessrl.services.gateway.errors import ANTHROPIC, OPENAI, GatewayError, render
 from harnessrl.services.gateway.lifecycle import CallAdmission, Engines, Lifecycle
 from harnessrl.services.gateway.metrics import GatewayMetrics, ServerBudgets
 from harnessrl.services.gateway.models import Models
+from harnessrl.services.gateway.open_episodes import EpisodeBook
 from harnessrl.services.gateway.recovery import recover
 from harnessrl.services.gateway.versions import EngineVersions
 from harnessrl.v1 import events_pb2 as pb

@@ -31,8 +31,8 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from harnessrl.logs import get_logger
-from harnessrl.services.inference.adapter import LoraOverlay
 from harnessrl.services.inference.kv import RunningBatch, cache_argument, positions_from_mask
+from harnessrl.services.inference.lora_hooks import LoraOverlay
 from harnessrl.services.inference.sampling import SamplingParams, generator_for, sample
 from harnessrl.v1 import weights_pb2 as pb
 

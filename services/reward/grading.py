@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from harnessrl.services.reward.coding_task import CodingTask
 from harnessrl.services.reward.episode import Score
 from harnessrl.services.reward.evidence import Evidence, Outcome, all_outcomes, inconsistencies
-from harnessrl.services.reward.sandbox import RunOutcome
+from harnessrl.services.reward.group_run import RunOutcome
 from harnessrl.services.reward.test_names import NameIndex, status_of
 
 LISTED = 10

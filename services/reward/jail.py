@@ -44,7 +44,7 @@ import orjson
 from harnessrl.bubblewrap import Mount, is_system, system_mounts, under, venv_base, with_parents
 from harnessrl.services.reward.config import TestsSettings
 from harnessrl.services.reward.evidence import KEY_BYTES
-from harnessrl.services.reward.sandbox import RunOutcome, run_group
+from harnessrl.services.reward.group_run import RunOutcome, run_group
 
 GUARD_SOURCE = Path(__file__).with_name("testguard.py")
 GUARD_MODULE = "harnessrl_testguard"

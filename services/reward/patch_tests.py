@@ -61,6 +61,7 @@ from harnessrl.services.reward.config import TestsSettings
 from harnessrl.services.reward.episode import Episode, Score
 from harnessrl.services.reward.evidence import Evidence, read
 from harnessrl.services.reward.grading import grade, listed
+from harnessrl.services.reward.group_run import RunOutcome, clean_env
 from harnessrl.services.reward.jail import (
     GUARD_MODULE,
     JAIL_TMP,
@@ -92,7 +93,6 @@ from harnessrl.services.reward.repo_copy import (
     restore,
     tracked,
 )
-from harnessrl.services.reward.sandbox import RunOutcome, clean_env
 
 log = get_logger(__name__)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from harnessrl.services.reward.sandbox import kill_group
+from harnessrl.process_group import kill_group
 
 GIT_TIMEOUT_S = 300.0
 """Longest one git step may take (a clone over the network included)."""

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from harnessrl.logs import get_logger
-from harnessrl.services.trainer.ledger import LedgerState
+from harnessrl.services.trainer.delivery import LedgerState
 
 log = get_logger(__name__)
 

@@ -103,7 +103,7 @@ def plan(args: argparse.Namespace) -> int:
     if args.gpus < 1:
         raise CliError(f"--gpus: must be at least 1, got {args.gpus}")
     settings = load(TrainerConfig, args, trainer=overrides).trainer
-    from harnessrl.services.trainer import plan as planning
+    from harnessrl.services.trainer import memory_plan as planning
 
     try:
         result = planning.plan(settings.model, settings, args.gpus, _gpu_memory(args, settings))

@@ -25,7 +25,7 @@ from harnessrl.services.trainer import tensors
 from harnessrl.services.trainer.config import TrainerSection
 from harnessrl.services.trainer.distributed import World
 from harnessrl.services.trainer.lora import adapter_tensors, apply_lora
-from harnessrl.services.trainer.plan import check_fits
+from harnessrl.services.trainer.memory_plan import check_fits
 from harnessrl.services.trainer.precision import compute_dtype
 from harnessrl.services.trainer.sharding import full, is_sharded, shard
 from harnessrl.trust.loss import LossSettings

@@ -36,9 +36,9 @@ from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
 from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
 from harnessrl.services.trainer.config import TrainerConfig
+from harnessrl.services.trainer.delivery import DeliveryLedger
 from harnessrl.services.trainer.distributed import World
 from harnessrl.services.trainer.journal import StepJournal
-from harnessrl.services.trainer.ledger import DeliveryLedger
 from harnessrl.services.trainer.lora import adapter_spec
 from harnessrl.services.trainer.metrics import TrainerMetrics
 from harnessrl.services.trainer.policy import Policy

@@ -20,28 +20,18 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 import openai
 
 from harnessrl.services.reward.episode import Episode, Score
 
-SYSTEM = "You are a careful assistant. Use the calculator for arithmetic."  # the demo's
-TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository
+from examples.calculator.harness import MODEL, SYSTEM_PROMPT, TOOLS  # the demo harness's own
+
 QUESTIONS = ("What is 235 plus 181?", "What is 17 times 23?", "What is 90 minus 48?")
 
 
@@ -54,7 +44,7 @@ class Agent:
     def __init__(self, script: str) -> None:
         self.script = script
         self.client = openai.OpenAI(max_retries=4)
-        self.messages: list[Any] = [{"role": "system", "content": SYSTEM}]
+        self.messages: list[Any] = [{"role": "system", "content": SYSTEM_PROMPT}]
 
     def call(self, messages: list[Any], tools: bool = True) -> Any:
         extra: dict[str, Any] = {"max_tokens": 48}
@@ -63,11 +53,11 @@ class Agent:
         if self.script == "bad_tool_call":
             extra["stop"] = ["}}"]
         if self.script == "system_prompt":
-            system = f"{SYSTEM}\nclient: doctor-test\nx-request-id: {uuid.uuid4()}"
+            system = f"{SYSTEM_PROMPT}\nclient: doctor-test\nx-request-id: {uuid.uuid4()}"
             messages = [{"role": "system", "content": system}, *messages[1:]]
         return (
             self.client.chat.completions.create(
-                model="calculator-agent",
+                model=MODEL,
                 messages=messages,
                 **({"tools": TOOLS} if tools else {}),
                 **extra,

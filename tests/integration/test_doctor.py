@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from harnessrl.apps.doctor.run import DoctorOptions, run_doctor
+from harnessrl.apps.doctor.diagnose import DoctorOptions, run_doctor
 from harnessrl.tasks import TaskLine
 
 pytestmark = pytest.mark.integration

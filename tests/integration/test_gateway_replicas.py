@@ -231,7 +231,7 @@ async def _finals(bootstrap: str, count: int, timeout: float = 180) -> list[pb.E
 async def test_a_replica_recovers_only_its_own_episodes(
     broker: EmbeddedBroker, kafka: KafkaSettings, producer_settings: ProducerSettings
 ) -> None:
-    from harnessrl.services.gateway.episodes import Restored
+    from harnessrl.services.gateway.open_episodes import Restored
     from harnessrl.services.gateway.recovery import recover
 
     producer = Producer(kafka, producer_settings, name="gateway/gw-0")

@@ -29,8 +29,8 @@ import pytest
 from harnessrl.apps.swe.env import run_command
 from harnessrl.apps.swe.holdback import function_of
 from harnessrl.apps.swe.mutate import mutations
+from harnessrl.apps.swe.swebench import parse_task, to_harnessrl
 from harnessrl.apps.swe.synth import SynthSettings, synthesize_one
-from harnessrl.apps.swe.tasks import parse_task, to_harnessrl
 from harnessrl.services.reward import config, patch_tests
 from harnessrl.services.reward.episode import Score
 from tests.helpers import eventually

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from harnessrl.services.trainer import checkpoint, tensors
 from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
-from harnessrl.services.trainer.ledger import LedgerState
+from harnessrl.services.trainer.delivery import LedgerState
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-model"
 INPUT = torch.tensor([[5, 17, 42, 99, 7, 300]])
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from harnessrl.services.trainer import tensors
 from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
-from harnessrl.services.trainer.ledger import LedgerState
+from harnessrl.services.trainer.delivery import LedgerState
 
 ckpts = Checkpoints(Path(sys.argv[1]), keep=2)
 ckpts.cleanup_partial()

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from harnessrl.services.controller.admission import EpisodeAdmission
-from harnessrl.services.controller.lifecycle import (
+from harnessrl.services.controller.phases import (
     AttemptState,
     EpisodeLedger,
     IllegalTransition,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from harnessrl.apps.doctor.wire_read import (
+from harnessrl.apps.doctor.traffic_read import (
     MARKUPS,
     counter_delta,
     overrides,

@@ -18,8 +18,8 @@ from harnessrl.services.gateway.control import Gate, Paused
 from harnessrl.services.gateway.dialects.openai_chat import ChatDialect
 from harnessrl.services.gateway.dialects.openai_completions import CompletionsDialect
 from harnessrl.services.gateway.dialects.openai_passthrough import Passthrough
-from harnessrl.services.gateway.episodes import EpisodeBook, EpisodeClosedError
 from harnessrl.services.gateway.metrics import GatewayMetrics
+from harnessrl.services.gateway.open_episodes import EpisodeBook, EpisodeClosedError
 from harnessrl.trust.capture import Completion, StreamCapture, take
 from harnessrl.trust.contract import CHAT_PATH, COMPLETIONS_PATH, engine_request
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from harnessrl.bus.offsets import OffsetTracker
-from harnessrl.services.trainer import checkpoint, ledger
+from harnessrl.services.trainer import checkpoint, delivery
 from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
-from harnessrl.services.trainer.ledger import DeliveryLedger, LedgerState
+from harnessrl.services.trainer.delivery import DeliveryLedger, LedgerState
 from harnessrl.trust.batching import Batcher
 from harnessrl.v1 import events_pb2 as pb
 
@@ -261,8 +261,8 @@ class _Trainer:
 
 
 def _ledger_bytes() -> int:
-    """Memory still allocated by ledger.py and checkpoint.py (the restored sample ids)."""
-    files = {ledger.__file__, checkpoint.__file__}
+    """Memory still allocated by delivery.py and checkpoint.py (the restored sample ids)."""
+    files = {delivery.__file__, checkpoint.__file__}
     stats = tracemalloc.take_snapshot().statistics("filename")
     return sum(stat.size for stat in stats if stat.traceback[0].filename in files)
 

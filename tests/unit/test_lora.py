@@ -1,6 +1,6 @@
 """LoRA in the trainer (services/trainer/lora.py) and on the wire (harnessrl.weights.adapter):
 names, config, the first pass, what trains, what is published, PEFT directories, manifests,
-and the engine's in-process application of an adapter (services/inference/adapter.py)."""
+and the engine's in-process application of an adapter (services/inference/lora_hooks.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from harnessrl.services.inference.adapter import LoraOverlay
+from harnessrl.services.inference.lora_hooks import LoraOverlay
 from harnessrl.services.trainer.config import LoraSection, TrainerSection
 from harnessrl.services.trainer.distributed import World
 from harnessrl.services.trainer.lora import (

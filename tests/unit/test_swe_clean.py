@@ -1,4 +1,4 @@
-"""Cleaning imported SWE-bench-format tasks (harnessrl.apps.swe.clean, harnessrl.apps.swe.tasks): a
+"""Cleaning imported SWE-bench-format tasks (harnessrl.apps.swe.clean and .swebench): a
 file in the public datasets' field names, one task per drop reason, the answers written
 down; and the split by project."""
 
@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from harnessrl.apps.swe.clean import CleanSettings, clean, split_by_project
-from harnessrl.apps.swe.tasks import SweTask, is_test_path, patch_paths, read_records, to_record
+from harnessrl.apps.swe.swebench import SweTask, is_test_path, patch_paths, read_records, to_record
 
 STATEMENT = (
     "Calling `Money.split(3)` on 10.00 returns parts that add up to 9.99: a cent is lost "

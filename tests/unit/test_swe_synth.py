@@ -16,8 +16,8 @@ import yaml
 
 from harnessrl.apps.swe.projects import Project
 from harnessrl.apps.swe.repository import task_repository, unified_patch
+from harnessrl.apps.swe.swebench import SweTask, parse_task, patch_paths, to_harnessrl
 from harnessrl.apps.swe.synth import SynthSettings, code_files, synthesize
-from harnessrl.apps.swe.tasks import SweTask, parse_task, patch_paths, to_harnessrl
 from harnessrl.apps.swe.validate import ValidateSettings, validate
 from harnessrl.tasks import TaskLine
 from tests.repo_helpers import coding_episode, git, make_repo

@@ -27,7 +27,7 @@ from harnessrl.services.reward.evidence import (
     read,
 )
 from harnessrl.services.reward.grading import grade
-from harnessrl.services.reward.sandbox import RunOutcome
+from harnessrl.services.reward.group_run import RunOutcome
 from harnessrl.services.reward.test_names import address_of, status_of
 
 KEY = bytes(range(32))

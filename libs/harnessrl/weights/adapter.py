@@ -8,7 +8,7 @@ adapter pairs, under the names PEFT writes into adapter_model.safetensors:
 
 and its manifest carries a `LoraAdapter` (rank, alpha, target modules, the base model's name
 and checksum). From these an engine applies the version: the project's engine in process
-(services/inference/adapter.py), vLLM from a PEFT adapter directory written here
+(services/inference/lora_hooks.py), vLLM from a PEFT adapter directory written here
 (`write_peft_dir`: adapter_config.json + adapter_model.safetensors), which PEFT's own
 `PeftModel.from_pretrained` and vLLM's `/v1/load_lora_adapter` both read.
 

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from harnessrl.process_group import kill_group, terminate_group
+
 _READ_CHUNK = 64 * 1024
 _LINE_LIMIT = 64 * 1024
 """Longer lines are not passed to `on_line` (a summary line is far shorter)."""
@@ -129,7 +131,7 @@ async def run_group(
             await asyncio.wait_for(process.wait(), timeout_s)
         except TimeoutError:
             timed_out = True
-            await _terminate(process, kill_grace_s)
+            await terminate_group(process, kill_grace_s, linger=True)
     finally:
         kill_group(process.pid, signal.SIGKILL)  # leftovers: children, or all on cancellation
         await process.wait()
@@ -141,32 +143,3 @@ async def run_group(
         timed_out=timed_out,
         output_tail=bytes(output.tail),
     )
-
-
-async def _terminate(process: asyncio.subprocess.Process, grace_s: float) -> None:
-    """SIGTERM to the group; back when it is gone or the grace is over."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + grace_s
-    kill_group(process.pid, signal.SIGTERM)
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(process.wait(), grace_s)
-    # The command is gone; its children may still be finishing after their SIGTERM. Nothing
-    # signals a group's end, so it is polled.
-    while _group_alive(process.pid) and loop.time() < deadline:  # noqa: ASYNC110
-        await asyncio.sleep(0.05)
-
-
-def kill_group(pgid: int, sig: int) -> None:
-    """Send `sig` to the process group; a group already gone is not an error."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

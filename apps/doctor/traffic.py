@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from harnessrl.apps.doctor.attempt import EpisodeView
 from harnessrl.apps.doctor.checks import FAIL, NA, OK, WARN, Check, at_most, share, stats
 from harnessrl.apps.doctor.collect import Collected
-from harnessrl.apps.doctor.episode import EpisodeView
-from harnessrl.apps.doctor.wire_read import (
+from harnessrl.apps.doctor.traffic_read import (
     counter_delta,
     offered_tools,
     overrides,

@@ -22,7 +22,7 @@ from harnessrl.logs import get_logger
 from harnessrl.services.controller.admission import EpisodeAdmission
 from harnessrl.services.controller.config import ControllerSection, HarnessSpec
 from harnessrl.services.controller.gateway_admin import Gateways
-from harnessrl.services.controller.lifecycle import AttemptState, EpisodeRecord, Phase, judge
+from harnessrl.services.controller.phases import AttemptState, EpisodeRecord, Phase, judge
 from harnessrl.services.controller.runner import LaunchError, LaunchSpec, Run, Runner, RunResult
 from harnessrl.telemetry import inject_headers, span_ids
 from harnessrl.v1 import events_pb2 as pb

@@ -1,5 +1,5 @@
 """A client's view of a `harnessrl up` stack: start one for a run, or read a running one's
-stack file. Used by `harnessrl experiment` and `harnessrl doctor`."""
+stack file. Used by `harnessrl experiment` and `harnessrl doctor` through `stack_for_run`."""
 
 from __future__ import annotations
 
@@ -86,6 +86,43 @@ async def stack_for(
         yield stack
     finally:
         await _stop(process)
+
+
+@contextlib.asynccontextmanager
+async def stack_for_run(
+    run_dir: Path,
+    *,
+    config: Path | None,
+    stack_file: Path | None,
+    progress: IO[str],
+    error: type[Exception],
+    env: Mapping[str, str] = {},
+    without: Sequence[str] = (),
+    ready_timeout_s: float = 300.0,
+) -> AsyncIterator[RunningStack]:
+    """The stack of one run of a command (an experiment, a doctor run) that writes into
+    `run_dir`: `stack_for` with the stack's state in run_dir/stack and its log in
+    run_dir/up.log; SIGTERM cancels the run (so the stack is stopped in order), and a
+    `StackError` becomes the command's own `error`, with the same message."""
+    await asyncio.to_thread(run_dir.mkdir, parents=True, exist_ok=True)
+    main = asyncio.current_task()
+    assert main is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
+    stack = stack_for(
+        config=config,
+        stack_file=stack_file,
+        workdir=run_dir / "stack",
+        log_path=run_dir / "up.log",
+        progress=progress,
+        env=env,
+        without=without,
+        ready_timeout_s=ready_timeout_s,
+    )
+    try:
+        async with stack as running:
+            yield running
+    except StackError as err:
+        raise error(str(err)) from None
 
 
 def read_stack(path: Path) -> RunningStack:

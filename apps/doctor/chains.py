@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from harnessrl.apps.doctor import causes
+from harnessrl.apps.doctor.attempt import EpisodeView
 from harnessrl.apps.doctor.checks import NA, OK, WARN, Check, at_most, share, stats
-from harnessrl.apps.doctor.episode import EpisodeView
 from harnessrl.trust.merging import Break
 from harnessrl.trust.samples import to_call
 from harnessrl.trust.tree import ids_of

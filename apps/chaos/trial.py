@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from harnessrl.apps.chaos import KILLABLE
+from harnessrl.apps.chaos.killable import ChaosStack
 from harnessrl.apps.chaos.reconcile import Books, reconcile
-from harnessrl.apps.chaos.stack import ChaosStack
-from harnessrl.apps.experiment.bus import task_bus
 from harnessrl.apps.experiment.ledger import TRAIN, RunLedger
+from harnessrl.apps.experiment.topics import task_bus
 from harnessrl.command import Progress
 from harnessrl.logs import get_logger
 from harnessrl.tasks import TaskLine, new_group_id, to_event

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harnessrl.apps.doctor.wire_read import CallWire
+from harnessrl.apps.doctor.traffic_read import CallWire
 from harnessrl.trust.merging import MergeResult
 from harnessrl.v1 import events_pb2 as pb
 

@@ -14,16 +14,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from harnessrl.apps.experiment.bus import task_bus
 from harnessrl.apps.experiment.ledger import TRAIN, VAL_AFTER, VAL_BEFORE, RunLedger
 from harnessrl.apps.experiment.scrape import scrape
-from harnessrl.apps.up.client import RunningStack, StackError, stack_for
+from harnessrl.apps.experiment.topics import task_bus
+from harnessrl.apps.up.attach import RunningStack, stack_for_run
 from harnessrl.command import Progress
 from harnessrl.logs import get_logger
 from harnessrl.tasks import TaskLine
@@ -57,28 +56,21 @@ class ExperimentOptions:
 
 async def run_experiment(options: ExperimentOptions, progress: IO[str]) -> dict[str, Any]:
     """Run it; returns the metrics the report is drawn from (see report.write_report)."""
-    options.run_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    main = asyncio.current_task()
-    assert main is not None
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
-    stack_cm = stack_for(
+    stack_cm = stack_for_run(
+        options.run_dir,
         config=options.config,
         stack_file=options.stack_file,
-        workdir=options.run_dir / "stack",
-        log_path=options.run_dir / "up.log",
         progress=progress,
+        error=ExperimentError,
         env={
             "HARNESSRL_TRAINER__MAX_STEPS": str(options.steps),
             "HARNESSRL_TRAINER__AT_MAX_STEPS": "serve",  # the engine fetches the last version
         },
         ready_timeout_s=options.ready_timeout_s,
     )
-    try:
-        async with stack_cm as stack:
-            return await _run(options, stack, progress, started)
-    except StackError as err:
-        raise ExperimentError(str(err)) from None
+    async with stack_cm as stack:
+        return await _run(options, stack, progress, started)
 
 
 async def _run(

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from harnessrl import registry
 from harnessrl.apps.doctor.collect import DoctorError, collect
-from harnessrl.apps.up.client import StackError, stack_for
+from harnessrl.apps.up.attach import stack_for_run
 from harnessrl.tasks import TaskLine
 
 __all__ = ["DoctorError", "DoctorOptions", "run_doctor"]
@@ -42,37 +41,30 @@ async def run_doctor(options: DoctorOptions, progress: IO[str]) -> dict[str, Any
     from harnessrl.apps.doctor.analyze import analyze
     from harnessrl.apps.doctor.render import write_html, write_json
 
-    options.out.mkdir(parents=True, exist_ok=True)
-    main = asyncio.current_task()
-    assert main is not None
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
-    stack_cm = stack_for(
+    stack_cm = stack_for_run(
+        options.out,
         config=options.config,
         stack_file=options.stack_file,
-        workdir=options.out / "stack",
-        log_path=options.out / "up.log",
         progress=progress,
+        error=DoctorError,
         env=STACK_ENV,
         without=tuple(sorted(registry.optional())),
         ready_timeout_s=options.ready_timeout_s,
     )
-    try:
-        async with stack_cm as stack:
-            config = options.config or stack.config
-            settings, tokenizer = _settings(config, options.markups)
-            decode = await asyncio.to_thread(_decoder, tokenizer)
-            collected = await collect(
-                stack,
-                options.tasks,
-                episodes=options.episodes,
-                mode=options.mode,
-                group_size=options.group_size,
-                progress=progress,
-                timeout_s=options.timeout_s,
-                context_limit=settings.context_limit,
-            )
-    except StackError as err:
-        raise DoctorError(str(err)) from None
+    async with stack_cm as stack:
+        config = options.config or stack.config
+        settings, tokenizer = _settings(config, options.markups)
+        decode = await asyncio.to_thread(_decoder, tokenizer)
+        collected = await collect(
+            stack,
+            options.tasks,
+            episodes=options.episodes,
+            mode=options.mode,
+            group_size=options.group_size,
+            progress=progress,
+            timeout_s=options.timeout_s,
+            context_limit=settings.context_limit,
+        )
     report = analyze(collected, settings.analysis, decode)
     report["run"].update(
         config=str(config or ""),
@@ -97,7 +89,7 @@ def _settings(config: Path | None, markups: tuple[str, ...]) -> tuple[_Loaded, P
     from pydantic import ValidationError
 
     from harnessrl.apps.doctor.analyze import Settings
-    from harnessrl.apps.doctor.wire_read import MARKUPS
+    from harnessrl.apps.doctor.traffic_read import MARKUPS
     from harnessrl.config import load_config
     from harnessrl.services.gateway.config import GatewayConfig
     from harnessrl.services.inference.config import InferenceConfig
