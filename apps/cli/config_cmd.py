@@ -1,4 +1,5 @@
-"""`harnessrl config show SERVICE`: the effective configuration, secrets masked."""
+"""`harnessrl config show SERVICE`: the effective configuration, secrets masked;
+`harnessrl config reference`: every setting of every service, as Markdown."""
 
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ def register(commands: Any) -> None:
     show.add_argument("--describe", action="store_true", help="also print what each field means")
     add_config_option(show)
     show.set_defaults(run=run_show)
+    reference = sub.add_parser(
+        "reference",
+        help="print the configuration reference (docs/configuration.md) as Markdown",
+        description="Print every section and field of every service's settings (type, "
+        "default, bounds, environment variable, docstring) as Markdown: "
+        "`harnessrl config reference > docs/configuration.md` regenerates that page.",
+    )
+    reference.set_defaults(run=run_reference)
     parser.set_defaults(run=lambda _: parser.print_help() or 2)
 
 
@@ -47,6 +56,13 @@ def run_show(args: argparse.Namespace) -> int:
     if args.describe:
         for path, text in _descriptions(cls):
             print(f"{path}: {text}")
+    return 0
+
+
+def run_reference(args: argparse.Namespace) -> int:
+    from harnessrl.apps.cli.config_reference import render
+
+    sys.stdout.write(render())
     return 0
 
 
