@@ -1,4 +1,5 @@
-"""`harnessrl trainer plan` and the trainer's start-up size check (services/trainer/memory_plan.py).
+"""`harnessrl trainer plan` and the trainer's start-up size check (services/trainer/memory_plan.py,
+its figures from memory_estimate.py and model_shape.py).
 
 Parameter counts are checked against real models; the activation estimate against what
 autograd actually saves on this CPU (saved_tensors_hooks). Memory on a GPU is not measured
@@ -18,7 +19,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
 from harnessrl.apps.cli import build_parser, main
 from harnessrl.services.trainer import cli as trainer_cli
 from harnessrl.services.trainer.config import LoraSection, ShardingSection, TrainerSection
-from harnessrl.services.trainer.memory_plan import GiB, check_fits, plan
+from harnessrl.services.trainer.memory_estimate import GiB, plan
+from harnessrl.services.trainer.memory_plan import check_fits
 from harnessrl.services.trainer.policy import Policy
 
 ROOT = Path(__file__).resolve().parents[2]
