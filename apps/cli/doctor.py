@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("harnessrl doctor: interrupted", file=sys.stderr)
         return 130
-    from harnessrl.apps.doctor.render import summary
+    from harnessrl.apps.doctor.report_text import summary
 
     print(summary(report), flush=True)
     print(f"report: {out / 'doctor.html'}\njson: {out / 'doctor.json'}", flush=True)

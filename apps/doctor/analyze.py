@@ -1,5 +1,5 @@
 """From a doctor run's captured events to its report: figures per section, and a verdict per
-check with the threshold it used (the report's shape: docs in doctor/render.py).
+check with the threshold it used (the report's shape: docs in doctor/report_text.py).
 
 Pure: the events, the settings and a decoder in, a JSON-ready dict out. The token books are
 the sample builder's own (`build` on each group, as if it were a train group, so a val run

@@ -39,7 +39,8 @@ class DoctorOptions:
 async def run_doctor(options: DoctorOptions, progress: IO[str]) -> dict[str, Any]:
     """Run the episodes, write out/doctor.json and out/doctor.html, return the report."""
     from harnessrl.apps.doctor.analyze import analyze
-    from harnessrl.apps.doctor.render import write_html, write_json
+    from harnessrl.apps.doctor.report_html import write_html
+    from harnessrl.apps.doctor.report_text import write_json
 
     stack_cm = stack_for_run(
         options.out,

@@ -8,7 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from harnessrl.apps.doctor.render import summary, write_html, write_json
+from harnessrl.apps.doctor.report_html import write_html
+from harnessrl.apps.doctor.report_text import summary, write_json
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
