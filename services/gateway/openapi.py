@@ -38,6 +38,10 @@ _OPENAI_ERRORS = {
     "4XX": {"$ref": "#/components/responses/OpenAIError"},
     "5XX": {"$ref": "#/components/responses/OpenAIError"},
 }
+_ANTHROPIC_ERRORS = {
+    "4XX": {"$ref": "#/components/responses/AnthropicError"},
+    "5XX": {"$ref": "#/components/responses/AnthropicError"},
+}
 _STREAM: dict[str, Any] = {"text/event-stream": {}}
 
 _MESSAGE = {
@@ -189,19 +193,6 @@ def _get(summary: str, errors: dict[str, Any], *, path_id: bool = False) -> dict
 
 def document() -> dict[str, Any]:
     """The document (a fresh dict)."""
-    messages = MessagesRequest.model_json_schema(ref_template=_REF)
-    defs = messages.pop("$defs", {})
-    tools = messages["properties"]["tools"]["anyOf"][0]
-    tools["items"] = {"anyOf": [tools["items"], {"$ref": _REF.format(model="ServerTool")}]}
-    count = {
-        **messages,
-        "properties": {k: v for k, v in messages["properties"].items() if k != "stream"},
-        "required": [r for r in messages["required"] if r != "max_tokens"],
-    }
-    anthropic_errors = {
-        "4XX": {"$ref": "#/components/responses/AnthropicError"},
-        "5XX": {"$ref": "#/components/responses/AnthropicError"},
-    }
     return {
         "openapi": "3.1.0",
         "info": {
@@ -215,78 +206,100 @@ def document() -> dict[str, Any]:
             {"url": "/e/{token}", "variables": {"token": {"default": "episode-token"}}},
         ],
         "security": [{"bearer": []}, {"apiKey": []}, {}],
-        "paths": {
-            "/v1/chat/completions": _generate("ChatCompletionRequest", "OpenAI chat completion"),
-            "/v1/completions": _generate("CompletionRequest", "OpenAI completion"),
-            "/v1/responses": _generate("ResponsesRequest", "OpenAI response (Responses API)"),
-            "/v1/responses/{id}": {
-                "get": _get("A response the episode stored", _OPENAI_ERRORS, path_id=True),
-                "delete": _get("Delete a stored response", _OPENAI_ERRORS, path_id=True),
-            },
-            "/v1/responses/{id}/input_items": {
-                "get": _get("A stored response's input items", _OPENAI_ERRORS, path_id=True)
-            },
-            "/v1/models": {"get": _get("The model served", _OPENAI_ERRORS)},
-            "/v1/models/{id}": {
-                "get": _get(
-                    "Any model name: answered under that name", _OPENAI_ERRORS, path_id=True
-                )
-            },
-            "/v1/messages": {
-                "post": {
-                    "summary": "Anthropic message",
-                    "requestBody": {
-                        "required": True,
-                        "content": _json({"$ref": _REF.format(model="MessagesRequest")}),
-                    },
-                    "responses": {
-                        "200": {"description": "The message", "content": {**_json({}), **_STREAM}},
-                        **anthropic_errors,
-                    },
-                }
-            },
-            "/v1/messages/count_tokens": {
-                "post": {
-                    "summary": "Anthropic token count, by the engine's tokenizer and template",
-                    "requestBody": {
-                        "required": True,
-                        "content": _json({"$ref": _REF.format(model="CountTokensRequest")}),
-                    },
-                    "responses": {
-                        "200": {"description": "input_tokens", "content": _json({})},
-                        **anthropic_errors,
-                    },
-                }
-            },
+        "paths": {**_openai_paths(), **_anthropic_paths()},
+        "components": _components(),
+    }
+
+
+def _openai_paths() -> dict[str, Any]:
+    return {
+        "/v1/chat/completions": _generate("ChatCompletionRequest", "OpenAI chat completion"),
+        "/v1/completions": _generate("CompletionRequest", "OpenAI completion"),
+        "/v1/responses": _generate("ResponsesRequest", "OpenAI response (Responses API)"),
+        "/v1/responses/{id}": {
+            "get": _get("A response the episode stored", _OPENAI_ERRORS, path_id=True),
+            "delete": _get("Delete a stored response", _OPENAI_ERRORS, path_id=True),
         },
-        "components": {
-            "securitySchemes": {
-                "bearer": {"type": "http", "scheme": "bearer", "description": "Episode token"},
-                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+        "/v1/responses/{id}/input_items": {
+            "get": _get("A stored response's input items", _OPENAI_ERRORS, path_id=True)
+        },
+        "/v1/models": {"get": _get("The model served", _OPENAI_ERRORS)},
+        "/v1/models/{id}": {
+            "get": _get("Any model name: answered under that name", _OPENAI_ERRORS, path_id=True)
+        },
+    }
+
+
+def _anthropic_paths() -> dict[str, Any]:
+    return {
+        "/v1/messages": _anthropic_post(
+            "Anthropic message",
+            "MessagesRequest",
+            {"description": "The message", "content": {**_json({}), **_STREAM}},
+        ),
+        "/v1/messages/count_tokens": _anthropic_post(
+            "Anthropic token count, by the engine's tokenizer and template",
+            "CountTokensRequest",
+            {"description": "input_tokens", "content": _json({})},
+        ),
+    }
+
+
+def _anthropic_post(summary: str, model: str, answer: dict[str, Any]) -> dict[str, Any]:
+    """A POST of an Anthropic route: its body's schema by name, its errors Anthropic's."""
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json({"$ref": _REF.format(model=model)})},
+            "responses": {"200": answer, **_ANTHROPIC_ERRORS},
+        }
+    }
+
+
+def _components() -> dict[str, Any]:
+    messages, count, defs = _anthropic_schemas()
+    return {
+        "securitySchemes": {
+            "bearer": {"type": "http", "scheme": "bearer", "description": "Episode token"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+        },
+        "schemas": {
+            "ChatCompletionRequest": _CHAT,
+            "CompletionRequest": _COMPLETION,
+            "ResponsesRequest": _RESPONSES,
+            "MessagesRequest": messages,
+            "CountTokensRequest": count,
+            **defs,
+            "ServerTool": _SERVER_TOOL,
+            "OpenAIErrorBody": _OPENAI_ERROR,
+            "AnthropicErrorBody": _ANTHROPIC_ERROR,
+        },
+        "responses": {
+            "OpenAIError": {
+                "description": "OpenAI's error object",
+                "content": _json({"$ref": _REF.format(model="OpenAIErrorBody")}),
             },
-            "schemas": {
-                "ChatCompletionRequest": _CHAT,
-                "CompletionRequest": _COMPLETION,
-                "ResponsesRequest": _RESPONSES,
-                "MessagesRequest": messages,
-                "CountTokensRequest": count,
-                **defs,
-                "ServerTool": _SERVER_TOOL,
-                "OpenAIErrorBody": _OPENAI_ERROR,
-                "AnthropicErrorBody": _ANTHROPIC_ERROR,
-            },
-            "responses": {
-                "OpenAIError": {
-                    "description": "OpenAI's error object",
-                    "content": _json({"$ref": _REF.format(model="OpenAIErrorBody")}),
-                },
-                "AnthropicError": {
-                    "description": "Anthropic's error",
-                    "content": _json({"$ref": _REF.format(model="AnthropicErrorBody")}),
-                },
+            "AnthropicError": {
+                "description": "Anthropic's error",
+                "content": _json({"$ref": _REF.format(model="AnthropicErrorBody")}),
             },
         },
     }
+
+
+def _anthropic_schemas() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(MessagesRequest's schema, with server tools among its tools; CountTokensRequest's:
+    the same without `stream` and without `max_tokens` required; the models they refer to)."""
+    messages = MessagesRequest.model_json_schema(ref_template=_REF)
+    defs = messages.pop("$defs", {})
+    tools = messages["properties"]["tools"]["anyOf"][0]
+    tools["items"] = {"anyOf": [tools["items"], {"$ref": _REF.format(model="ServerTool")}]}
+    count = {
+        **messages,
+        "properties": {k: v for k, v in messages["properties"].items() if k != "stream"},
+        "required": [r for r in messages["required"] if r != "max_tokens"],
+    }
+    return messages, count, defs
 
 
 @functools.cache
