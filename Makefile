@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # for torch>=2.4, which that satisfies, so pip never pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: venv protos lint test test-full demo bench-bus clean swe-tasks swe-smoke swe-harness swe-coder
+.PHONY: venv protos docs lint test test-full demo bench-bus clean swe-tasks swe-smoke swe-harness swe-coder
 
 venv: $(STAMP)
 
@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml
 
 protos: venv  ## regenerate libs/harnessrl/v1 from protos/
 	$(BIN)/python protos/generate.py
+
+docs: venv  ## regenerate docs/configuration.md from the settings classes
+	$(BIN)/harnessrl config reference > docs/configuration.md
 
 lint: venv
 	$(BIN)/ruff check libs services apps bench tests protos examples

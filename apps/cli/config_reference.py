@@ -32,14 +32,23 @@ HEADER = f"""\
 # Configuration reference
 
 What every setting of every service is, generated from the settings classes' field
-docstrings: `{COMMAND}` regenerates it, and a test fails when it is stale. Every service
-reads one optional YAML file (`--config FILE` or `$HARNESSRL_CONFIG`) whose top-level keys
-are the sections below; a service reads the shared sections and its own, and ignores the
-others. Environment variables override the file: `HARNESSRL_<SECTION>__<FIELD>`, nested
-sections joined by `__` too (`HARNESSRL_CONTROLLER__SANDBOX__MODE=bwrap`); lists and
-mappings are given as JSON. `harnessrl config show SERVICE` prints the values a service
-would run with, secrets masked. Values are validated once, at start-up: a bad one is
-refused with the field's name and the reason.
+docstrings. `make docs` regenerates it, running
+`{COMMAND}`;
+a test fails when it is stale. Every service reads one optional YAML file (`--config FILE`
+or `$HARNESSRL_CONFIG`) whose top-level keys are the sections below; a service reads the
+shared sections and its own, and ignores the others. Environment variables override the
+file: `HARNESSRL_<SECTION>__<FIELD>`, nested sections joined by `__` too
+(`HARNESSRL_CONTROLLER__SANDBOX__MODE=bwrap`); lists and mappings are given as JSON. Values
+are validated once, at start-up: a bad one is refused with the field's name and the reason.
+What a service would run with, secrets masked, and what each field means:
+
+```bash
+.venv/bin/harnessrl config show broker --describe
+```
+
+Kafka security (TLS, SASL) is in the shared `kafka` section: `security_protocol`,
+`sasl_mechanism`, `sasl_username`, `sasl_password`, `ssl_cafile` and the other `ssl_*`
+fields.
 """
 
 _BOUNDS = (

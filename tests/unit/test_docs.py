@@ -16,7 +16,7 @@ def test_configuration_reference_is_current() -> None:
     page = ROOT / "docs" / "configuration.md"
     assert page.is_file(), f"docs/configuration.md is missing: run `{COMMAND}`"
     assert page.read_text() == render(), (
-        f"docs/configuration.md is stale (a settings field changed): run `{COMMAND}`"
+        f"docs/configuration.md is stale (a settings field changed): run `make docs` ({COMMAND})"
     )
 
 

@@ -1,4 +1,4 @@
-"""The README's deployment sections and the images' entry points name commands that exist.
+"""The deployment sections of the docs and the images' entry points name commands that exist.
 
 Every command in the bash blocks of the four deployment sections is extracted (pipelines,
 `&&` lists, `$(...)`, `sh -c` scripts and the command run by `kubectl exec ... --` or
@@ -39,10 +39,12 @@ NOT_RUN = {"sh", "bash"}
 
 
 def section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
+    """The section of that title in README.md or a page of docs/ (exactly one of them)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     head = f"\n## {title}\n"
-    assert head in text, f"README has no section '## {title}'"
-    body = text.split(head, 1)[1]
+    found = [page.read_text() for page in pages if head in page.read_text()]
+    assert len(found) == 1, f"{len(found)} pages have a section '## {title}' (one expected)"
+    body = found[0].split(head, 1)[1]
     return body.split("\n## ", 1)[0]
 
 
