@@ -1,19 +1,24 @@
-"""What a proxy adds: harnessrl.http (server + client) against uvicorn + httpx, same run.
+"""What a proxy adds, per HTTP stack: the gateway's own (harnessrl.http server + client)
+against uvicorn + httpx, FastAPI on uvicorn + httpx, and aiohttp (server + client), same run.
 
-    .venv/bin/python -m harnessrl.bench.http [--seconds 3] [--rounds 1]
+    harnessrl bench http [--seconds 3] [--rounds 1]
 
-Three processes besides this one, all on this machine: an upstream stand-in engine
-(HttpServer answering every POST with a fixed ~1 kB JSON completion) and two proxies that
-forward each call to it (body, content-type, authorization) and return the engine's status,
-content-type and body, one built on this package (`harnessrl`), one on uvicorn (raw ASGI
-app, httptools, uvloop) + httpx (`uvicorn`). This process is the load generator (our
-client): C workers (C = 1, 16, 64) send POSTs of a ~1 kB chat body back to back for a fixed
-time, directly to the engine (`direct`) or through a proxy.
+Processes besides this one, all on this machine: an upstream stand-in engine (HttpServer
+answering every POST with a fixed ~1 kB JSON completion) and one proxy per stack, each
+forwarding every call to it (body, content-type, authorization) and returning the engine's
+status, content-type and body: the gateway's proxy workload without the capture. `harnessrl`
+is this package's server and client (what the gateway runs); `uvicorn` a raw ASGI app on
+uvicorn (httptools, uvloop) with httpx; `fastapi` the same behind a FastAPI route (what the
+dev engine runs); `aiohttp` aiohttp's web server with its ClientSession. This process is the
+load generator: C workers (C = 1, 16, 64) send POSTs of a ~1 kB chat body back to back for a
+fixed time, directly to the engine (`direct`) or through a proxy.
 
 Per path and concurrency: p50/p99 latency, requests/s, and CPU microseconds per request of
 the proxy, the engine and the load generator (from /proc, over the timed window only).
 `added_p50_ms` is the proxy's p50 minus the direct p50 at the same concurrency. Each
-measurement prints a JSON line; the last line is one JSON object with medians over rounds.
+measurement prints a JSON line (stderr); the last line (stdout) is one JSON object with
+medians over rounds and, per concurrency, harnessrl's requests/s and proxy CPU per request
+as ratios of each other stack's.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from typing import Any
 import orjson
 
 CONCURRENCY = (1, 16, 64)
-PATHS = ("direct", "harnessrl", "uvicorn")
+STACKS = ("harnessrl", "uvicorn", "fastapi", "aiohttp")
+PATHS = ("direct", *STACKS)
 WARMUP_S = 0.5
 PROMPT = orjson.dumps(
     {
@@ -107,15 +113,30 @@ async def _harnessrl_proxy(upstream: str) -> None:
     await client.close()
 
 
-async def _uvicorn_proxy(upstream: str) -> None:
+def _httpx_client(upstream: str) -> Any:
     import httpx
-    import uvicorn
 
-    client = httpx.AsyncClient(
+    return httpx.AsyncClient(
         base_url=upstream,
         timeout=600,
         limits=httpx.Limits(max_connections=256, max_keepalive_connections=256),
     )
+
+
+async def _serve_uvicorn(app: Any) -> None:
+    import uvicorn
+
+    sock = _listen()
+    config = uvicorn.Config(
+        app, loop="none", http="httptools", lifespan="off", access_log=False, log_level="warning"
+    )
+    server = uvicorn.Server(config)
+    print(sock.getsockname()[1], flush=True)
+    await server.serve(sockets=[sock])  # uvicorn handles SIGTERM itself
+
+
+async def _uvicorn_proxy(upstream: str) -> None:
+    client = _httpx_client(upstream)
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         body, more = b"", True
@@ -136,14 +157,67 @@ async def _uvicorn_proxy(upstream: str) -> None:
         )
         await send({"type": "http.response.body", "body": answer.content})
 
-    sock = _listen()
-    config = uvicorn.Config(
-        app, loop="none", http="httptools", lifespan="off", access_log=False, log_level="warning"
-    )
-    server = uvicorn.Server(config)
-    print(sock.getsockname()[1], flush=True)
-    await server.serve(sockets=[sock])  # uvicorn handles SIGTERM itself
+    await _serve_uvicorn(app)
     await client.aclose()
+
+
+async def _fastapi_proxy(upstream: str) -> None:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response as FastResponse
+
+    client = _httpx_client(upstream)
+    app = FastAPI()
+
+    async def forward(path: str, request: Request) -> FastResponse:
+        headers = [(k, v) for k in _FORWARDED if (v := request.headers.get(k)) is not None]
+        answer = await client.request(
+            "POST", "/" + path, headers=headers, content=await request.body()
+        )
+        kind = answer.headers.get("content-type", "application/json")
+        return FastResponse(answer.content, status_code=answer.status_code, media_type=kind)
+
+    # This module's annotations are strings; FastAPI reads the route's from its globals,
+    # which do not hold these lazily imported names: hand it the objects.
+    forward.__annotations__ = {"path": str, "request": Request, "return": FastResponse}
+    app.post("/{path:path}")(forward)
+    await _serve_uvicorn(app)
+    await client.aclose()
+
+
+async def _aiohttp_proxy(upstream: str) -> None:
+    import aiohttp
+    from aiohttp import web
+
+    connector = aiohttp.TCPConnector(limit=256)
+    session = aiohttp.ClientSession(upstream, connector=connector, auto_decompress=False)
+
+    async def forward(request: web.Request) -> web.Response:
+        headers = {k: v for k in _FORWARDED if (v := request.headers.get(k)) is not None}
+        body = await request.read()
+        async with session.request(request.method, request.path, headers=headers, data=body) as r:
+            content = await r.read()
+            kind = r.headers.get("content-type", "application/json")
+            return web.Response(status=r.status, body=content, headers={"content-type": kind})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forward)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    sock = _listen()
+    site = web.SockSite(runner, sock)
+    await site.start()
+    print(sock.getsockname()[1], flush=True)
+    await _until_terminated()
+    await runner.cleanup()
+    await session.close()
+
+
+_PROXIES = {
+    "harnessrl": _harnessrl_proxy,
+    "uvicorn": _uvicorn_proxy,
+    "fastapi": _fastapi_proxy,
+    "aiohttp": _aiohttp_proxy,
+}
 
 
 def _spawn(*role: str) -> tuple[subprocess.Popen[bytes], int]:
@@ -216,15 +290,13 @@ async def _measure(
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     engine, engine_port = _spawn("engine")
     upstream = f"http://127.0.0.1:{engine_port}"
-    proxies = {
-        "harnessrl": _spawn("proxy", "--stack", "harnessrl", "--upstream", upstream),
-        "uvicorn": _spawn("proxy", "--stack", "uvicorn", "--upstream", upstream),
-    }
+    proxies = {stack: _spawn("proxy", "--stack", stack, "--upstream", upstream) for stack in STACKS}
     runs: dict[str, dict[int, list[dict[str, float]]]] = {p: {} for p in PATHS}
     try:
         for round_ in range(args.rounds):
             for concurrency in CONCURRENCY:
-                order = PATHS[round_ % 3 :] + PATHS[: round_ % 3]
+                shift = round_ % len(PATHS)
+                order = PATHS[shift:] + PATHS[:shift]
                 for path in order:
                     pids = {"engine": engine.pid}
                     port = engine_port
@@ -234,7 +306,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                     figures = await _measure(port, concurrency, args.seconds, pids)
                     runs[path].setdefault(concurrency, []).append(figures)
                     line = {"path": path, "concurrency": concurrency, **figures}
-                    print(orjson.dumps(line).decode(), flush=True)
+                    print("bench http:", orjson.dumps(line).decode(), file=sys.stderr, flush=True)
     finally:
         for process in [engine, *(p for p, _ in proxies.values())]:
             process.send_signal(signal.SIGTERM)
@@ -255,22 +327,22 @@ def _summary(
                 merged["added_p50_ms"] = round(merged["p50_ms"] - direct, 3)
             result[f"{path}_c{concurrency}"] = merged
     for concurrency in CONCURRENCY:
-        ours, theirs = result[f"harnessrl_c{concurrency}"], result[f"uvicorn_c{concurrency}"]
-        result[f"rps_ratio_c{concurrency}"] = round(ours["rps"] / theirs["rps"], 2)
-        result[f"proxy_cpu_ratio_c{concurrency}"] = round(
-            ours["proxy_cpu_us"] / theirs["proxy_cpu_us"], 2
-        )
+        ours = result[f"harnessrl_c{concurrency}"]
+        for stack in STACKS[1:]:
+            theirs = result[f"{stack}_c{concurrency}"]
+            result[f"rps_ratio_vs_{stack}_c{concurrency}"] = round(ours["rps"] / theirs["rps"], 2)
+            result[f"proxy_cpu_ratio_vs_{stack}_c{concurrency}"] = round(
+                ours["proxy_cpu_us"] / theirs["proxy_cpu_us"], 2
+            )
     return result
 
 
-def _role(args: argparse.Namespace) -> None:
-    if args.role == "engine":
-        coroutine = _engine()
-    elif args.stack == "harnessrl":
-        coroutine = _harnessrl_proxy(args.upstream)
+def _role(role: str, stack: str | None, upstream: str | None) -> None:
+    if role == "engine":
+        _loop_run(_engine())
     else:
-        coroutine = _uvicorn_proxy(args.upstream)
-    _loop_run(coroutine)
+        assert stack is not None and upstream is not None
+        _loop_run(_PROXIES[stack](upstream))
 
 
 def _loop_run(coroutine: Any) -> Any:
@@ -281,21 +353,28 @@ def _loop_run(coroutine: Any) -> Any:
     return uvloop.run(coroutine)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harnessrl.bench.http", description=__doc__)
-    parser.add_argument("--seconds", type=float, default=3.0, help="per measurement")
-    parser.add_argument("--rounds", type=int, default=1, help="medians are taken over rounds")
-    parser.add_argument("--role", choices=["engine", "proxy"], help=argparse.SUPPRESS)
-    parser.add_argument("--stack", choices=["harnessrl", "uvicorn"], help=argparse.SUPPRESS)
-    parser.add_argument("--upstream", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.role:
-        _role(args)
-        return 0
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options (for `harnessrl bench http`)."""
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    parser.add_argument("--seconds", type=float, default=3.0, help="per measurement (default 3)")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="medians are taken over rounds (default 1)"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
     result = _loop_run(_run(args))
+    if not args.json:
+        for key, value in result.items():
+            print(f"{key:>32}: {value}")
     print(orjson.dumps(result).decode(), flush=True)
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # a stand-in engine or a proxy, started by the benchmark
+    roles = argparse.ArgumentParser(prog="python -m harnessrl.bench.http")
+    roles.add_argument("--role", choices=["engine", "proxy"], required=True)
+    roles.add_argument("--stack", choices=STACKS)
+    roles.add_argument("--upstream")
+    chosen = roles.parse_args()
+    _role(chosen.role, chosen.stack, chosen.upstream)

@@ -3,24 +3,55 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harnessrl.command import add_kafka_options
 
 
+@dataclass(frozen=True, slots=True)
+class Benchmark:
+    """One `harnessrl bench` subcommand: its module in bench/ (whose `main(args)` runs it)
+    and the function that adds its options."""
+
+    name: str
+    module: str
+    help: str
+    description: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+
+
 def register(commands: Any) -> None:
     parser = commands.add_parser("bench", help="run a benchmark and print JSON figures")
     sub = parser.add_subparsers(title="benchmarks", metavar="BENCHMARK")
-    bus = sub.add_parser(
-        "bus",
-        help="bus producer->consumer throughput and latency vs raw aiokafka",
-        description="Move ModelCall-sized events (2,000 prompt ids, 500 completion ids and "
-        "log-probs) producer->consumer through the project's bus and through raw aiokafka "
-        "with the same bytes, in the same run, on an embedded broker (or --bootstrap). "
-        "The last line is one JSON object.",
-    )
-    bus.add_argument("--json", action="store_true", help="print only the JSON result line")
+    for benchmark in BENCHMARKS:
+        command = sub.add_parser(
+            benchmark.name, help=benchmark.help, description=benchmark.description
+        )
+        benchmark.arguments(command)
+        command.set_defaults(run=functools.partial(_run, benchmark.module))
+    parser.set_defaults(run=lambda _: parser.print_help() or 2)
+
+
+def _run(module: str, args: argparse.Namespace) -> int:
+    if module == "trainer" and args.sharded:
+        module = "trainer_sharded"
+    main: Callable[[argparse.Namespace], int] = importlib.import_module(
+        f"harnessrl.bench.{module}"
+    ).main
+    return main(args)
+
+
+def _json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+
+
+def _bus_arguments(bus: argparse.ArgumentParser) -> None:
+    _json(bus)
     bus.add_argument(
         "--events", type=int, default=5000, help="events per throughput run (default 5000)"
     )
@@ -31,16 +62,10 @@ def register(commands: Any) -> None:
         help="alternating bus/raw rounds; the median is reported (default 3)",
     )
     add_kafka_options(bus)
-    bus.set_defaults(run=_run_bus)
-    inference = sub.add_parser(
-        "inference",
-        help="engine tokens/s at concurrency 1 and 16",
-        description="Start `harnessrl inference` on --model in its own process and, through "
-        "its HTTP API, keep 1 and then 16 completion requests in flight for --seconds each; "
-        "print generated tokens/s for both and the speed-up batching gives. The last line "
-        "is one JSON object.",
-    )
-    inference.add_argument("--json", action="store_true", help="print only the JSON line")
+
+
+def _inference_arguments(inference: argparse.ArgumentParser) -> None:
+    _json(inference)
     inference.add_argument(
         "--model",
         type=Path,
@@ -56,17 +81,10 @@ def register(commands: Any) -> None:
     inference.add_argument(
         "--max-tokens", type=int, default=64, help="completion tokens per request (default 64)"
     )
-    inference.set_defaults(run=_run_inference)
-    weights = sub.add_parser(
-        "weights",
-        help="trainer->engine weight transfer: gRPC WeightSync and shared memory vs raw "
-        "socket and memcpy",
-        description="Move a synthetic bf16 state dict from this process (the trainer) to a "
-        "separate engine process over gRPC WeightSync, over the shared-memory path (both "
-        "with checksums verified), over a raw loopback TCP socket, and by memcpy, in the "
-        "same run. Prints GB/s and ratios; the last line is one JSON object.",
-    )
-    weights.add_argument("--json", action="store_true", help="print only the JSON result line")
+
+
+def _weights_arguments(weights: argparse.ArgumentParser) -> None:
+    _json(weights)
     weights.add_argument(
         "--size-mb", type=float, default=1024, help="state dict size in MiB (default 1024)"
     )
@@ -87,19 +105,10 @@ def register(commands: Any) -> None:
         action="store_true",
         help="leave glibc malloc at its defaults in the engine process",
     )
-    weights.set_defaults(run=_run_weights)
-    _register_gateway(sub)
-    _register_http_memory(sub)
-    _register_load(sub)
-    samples = sub.add_parser(
-        "samples",
-        help="sample builder tokens/s (bytes in -> GroupSamples bytes out) vs np.concatenate",
-        description="Build synthetic groups (episodes of growing agent conversations, as "
-        "serialised events) into GroupSamples through the sample builder's join and build, "
-        "and concatenate the same ids as numpy arrays, alternating, in the same run. Prints "
-        "tokens/s of both and their ratio; the last line is one JSON object.",
-    )
-    samples.add_argument("--json", action="store_true", help="print only the JSON line")
+
+
+def _samples_arguments(samples: argparse.ArgumentParser) -> None:
+    _json(samples)
     samples.add_argument("--groups", type=int, default=20, help="groups per round (default 20)")
     samples.add_argument(
         "--rounds",
@@ -110,17 +119,10 @@ def register(commands: Any) -> None:
     samples.add_argument("--episodes", type=int, default=8, help="episodes per group (default 8)")
     samples.add_argument("--calls", type=int, default=8, help="calls per episode (default 8)")
     samples.add_argument("--seed", type=int, default=0, help="seed of the groups (default 0)")
-    samples.set_defaults(run=_run_samples)
-    reward = sub.add_parser(
-        "reward",
-        help="builtin:tests seconds per scored patch vs the bare test run",
-        description="For each task of a swe task file (`harnessrl swe synth` output), score "
-        "its gold patch and a patch that fixes nothing with builtin:tests, and, in the same "
-        "run, apply each patch to a clone and run the task's test command directly (no "
-        "rules, no containment). Prints seconds per patch for both and their ratio; the "
-        "last line is one JSON object.",
-    )
-    reward.add_argument("--json", action="store_true", help="print only the JSON line")
+
+
+def _reward_arguments(reward: argparse.ArgumentParser) -> None:
+    _json(reward)
     reward.add_argument("--tasks", type=Path, required=True, help="swe task file (JSONL)")
     reward.add_argument(
         "--limit", type=int, default=0, help="first N tasks with a test command (default all)"
@@ -128,22 +130,10 @@ def register(commands: Any) -> None:
     reward.add_argument(
         "--rounds", type=int, default=3, help="alternating rounds; medians (default 3)"
     )
-    reward.set_defaults(run=_run_reward)
-    _register_trainer(sub)
-    parser.set_defaults(run=lambda _: parser.print_help() or 2)
 
 
-def _register_trainer(sub: Any) -> None:
-    trainer = sub.add_parser(
-        "trainer",
-        help="trainer optimiser-step time vs a bare PyTorch loop, same batches and model",
-        description="Train two copies of the same model on the same seeded batches, "
-        "alternating: one through the trainer's Policy.step (weights, packing, clipped loss, "
-        "stats, clipping, AdamW), one through a bare forward/log_softmax/backward/AdamW loop "
-        "over the same micro-batches. Prints step seconds, their ratio, tokens/s (and MFU on "
-        "CUDA); the last line is one JSON object.",
-    )
-    trainer.add_argument("--json", action="store_true", help="print only the JSON line")
+def _trainer_arguments(trainer: argparse.ArgumentParser) -> None:
+    _json(trainer)
     trainer.add_argument(
         "--model-size",
         choices=("tiny", "0.5b"),
@@ -206,23 +196,10 @@ def _register_trainer(sub: Any) -> None:
     trainer.add_argument(
         "--ranks", type=int, default=2, help="--sharded: torchrun ranks (default 2)"
     )
-    trainer.set_defaults(run=_run_trainer)
 
 
-def _register_load(sub: Any) -> None:
-    load = sub.add_parser(
-        "load",
-        help="concurrent demo-harness episodes through the gateway: errors, p99 latency",
-        description="Keep --episodes episodes of the calculator demo harness (its own solve() "
-        "with the real openai SDK, the episode token as API key) running for --seconds "
-        "through `harnessrl gateway` capturing to an embedded broker, against a stand-in "
-        "engine; each episode is closed at the gateway's admin API as the controller does. "
-        "Counts errors (any non-2xx or exception the harness sees, failed closes, calls "
-        "missing from hrl.calls) and client-side latency, beside a baseline of the same "
-        "load straight against the stand-in. The last line is one JSON object; the exit "
-        "status is 1 when there were errors.",
-    )
-    load.add_argument("--json", action="store_true", help="print only the JSON line")
+def _load_arguments(load: argparse.ArgumentParser) -> None:
+    _json(load)
     load.add_argument("--episodes", type=int, default=256, help="concurrent episodes (default 256)")
     load.add_argument(
         "--gateways",
@@ -240,31 +217,10 @@ def _register_load(sub: Any) -> None:
         default=10.0,
         help="seconds of the same load straight against the stand-in (default 10)",
     )
-    load.set_defaults(run=_run_load)
 
 
-def _run_bus(args: argparse.Namespace) -> int:
-    from harnessrl.bench import bus
-
-    return bus.main(args)
-
-
-def _run_weights(args: argparse.Namespace) -> int:
-    from harnessrl.bench import weights
-
-    return weights.main(args)
-
-
-def _register_gateway(sub: Any) -> None:
-    gateway = sub.add_parser(
-        "gateway",
-        help="latency the gateway adds and calls/s through it (capture on)",
-        description="A load generator against a stand-in engine (canned vLLM-shaped "
-        "answers), directly and through `harnessrl gateway` capturing to an embedded broker, "
-        "at concurrency 1, 16 and 64 in alternating runs; then a soak through the gateway "
-        "measuring its resident memory. The last line is one JSON object.",
-    )
-    gateway.add_argument("--json", action="store_true", help="print only the JSON line")
+def _gateway_arguments(gateway: argparse.ArgumentParser) -> None:
+    _json(gateway)
     gateway.add_argument("--seconds", type=float, default=4.0, help="seconds per run (default 4)")
     gateway.add_argument(
         "--rounds",
@@ -275,64 +231,124 @@ def _register_gateway(sub: Any) -> None:
     gateway.add_argument(
         "--soak-calls", type=int, default=100_000, help="calls in the memory soak (default 100000)"
     )
-    gateway.set_defaults(run=_run_gateway)
 
 
-def _register_http_memory(sub: Any) -> None:
-    from harnessrl.bench import http_memory  # standard library and orjson only
+def _own_arguments(module: str) -> Callable[[argparse.ArgumentParser], None]:
+    """Options a benchmark module declares itself (`add_arguments`: standard library and
+    orjson only at import)."""
 
-    memory = sub.add_parser(
+    def add(parser: argparse.ArgumentParser) -> None:
+        importlib.import_module(f"harnessrl.bench.{module}").add_arguments(parser)
+
+    return add
+
+
+BENCHMARKS = (
+    Benchmark(
+        "bus",
+        "bus",
+        "bus producer->consumer throughput and latency vs raw aiokafka",
+        "Move ModelCall-sized events (2,000 prompt ids, 500 completion ids and log-probs) "
+        "producer->consumer through the project's bus and through raw aiokafka with the same "
+        "bytes, in the same run, on an embedded broker (or --bootstrap). The last line is one "
+        "JSON object.",
+        _bus_arguments,
+    ),
+    Benchmark(
+        "inference",
+        "inference",
+        "engine tokens/s at concurrency 1 and 16",
+        "Start `harnessrl inference` on --model in its own process and, through its HTTP API, "
+        "keep 1 and then 16 completion requests in flight for --seconds each; print generated "
+        "tokens/s for both and the speed-up batching gives. The last line is one JSON object.",
+        _inference_arguments,
+    ),
+    Benchmark(
+        "weights",
+        "weights",
+        "trainer->engine weight transfer: gRPC WeightSync and shared memory vs raw socket and "
+        "memcpy",
+        "Move a synthetic bf16 state dict from this process (the trainer) to a separate engine "
+        "process over gRPC WeightSync, over the shared-memory path (both with checksums "
+        "verified), over a raw loopback TCP socket, and by memcpy, in the same run. Prints "
+        "GB/s and ratios; the last line is one JSON object.",
+        _weights_arguments,
+    ),
+    Benchmark(
+        "gateway",
+        "gateway",
+        "latency the gateway adds and calls/s through it (capture on)",
+        "A load generator against a stand-in engine (canned vLLM-shaped answers), directly and "
+        "through `harnessrl gateway` capturing to an embedded broker, at concurrency 1, 16 and "
+        "64 in alternating runs; then a soak through the gateway measuring its resident memory. "
+        "The last line is one JSON object.",
+        _gateway_arguments,
+    ),
+    Benchmark(
+        "http",
+        "http",
+        "the gateway's HTTP stack vs uvicorn+httpx, FastAPI and aiohttp on its proxy workload",
+        "One stand-in engine and one proxy per HTTP stack (this package's server and client, "
+        "as the gateway runs them; uvicorn + httpx; FastAPI on uvicorn + httpx; aiohttp server "
+        "+ client), each forwarding ~1 kB chat calls to the engine; a load generator at "
+        "concurrency 1, 16 and 64 straight at the engine and through each proxy, in the same "
+        "run. Prints latency, requests/s and CPU per request of each process, and harnessrl's "
+        "ratios against each stack; the last line is one JSON object.",
+        _own_arguments("http"),
+    ),
+    Benchmark(
         "http-memory",
-        help="the HTTP server's memory under stalled large uploads, and after them",
-        description="64 connections each send all but one byte of a maximal body and stall, "
-        "twice, against the project's HTTP server in a child process with its default "
-        "buffered-bytes budget; prints its RSS at the start, at each peak and after each "
-        "round (the goal: back within 50 MB of the start). The last line is one JSON object.",
-    )
-    http_memory.add_arguments(memory)
-    memory.set_defaults(run=_run_http_memory)
-
-
-def _run_http_memory(args: argparse.Namespace) -> int:
-    from harnessrl.bench import http_memory
-
-    return http_memory.main(args)
-
-
-def _run_gateway(args: argparse.Namespace) -> int:
-    from harnessrl.bench import gateway
-
-    return gateway.main(args)
-
-
-def _run_load(args: argparse.Namespace) -> int:
-    from harnessrl.bench import load
-
-    return load.main(args)
-
-
-def _run_inference(args: argparse.Namespace) -> int:
-    from harnessrl.bench import inference
-
-    return inference.main(args)
-
-
-def _run_samples(args: argparse.Namespace) -> int:
-    from harnessrl.bench import samples
-
-    return samples.main(args)
-
-
-def _run_reward(args: argparse.Namespace) -> int:
-    from harnessrl.bench import reward
-
-    return reward.main(args)
-
-
-def _run_trainer(args: argparse.Namespace) -> int:
-    from harnessrl.bench import trainer, trainer_sharded
-
-    if args.sharded:
-        return trainer_sharded.main(args)
-
-    return trainer.main(args)
+        "http_memory",
+        "the HTTP server's memory under stalled large uploads, and after them",
+        "64 connections each send all but one byte of a maximal body and stall, twice, against "
+        "the project's HTTP server in a child process with its default buffered-bytes budget; "
+        "prints its RSS at the start, at each peak and after each round (the goal: back within "
+        "50 MB of the start). The last line is one JSON object.",
+        _own_arguments("http_memory"),
+    ),
+    Benchmark(
+        "load",
+        "load",
+        "concurrent demo-harness episodes through the gateway: errors, p99 latency",
+        "Keep --episodes episodes of the calculator demo harness (its own solve() with the real "
+        "openai SDK, the episode token as API key) running for --seconds through `harnessrl "
+        "gateway` capturing to an embedded broker, against a stand-in engine; each episode is "
+        "closed at the gateway's admin API as the controller does. Counts errors (any non-2xx "
+        "or exception the harness sees, failed closes, calls missing from hrl.calls) and "
+        "client-side latency, beside a baseline of the same load straight against the "
+        "stand-in. The last line is one JSON object; the exit status is 1 when there were "
+        "errors.",
+        _load_arguments,
+    ),
+    Benchmark(
+        "samples",
+        "samples",
+        "sample builder tokens/s (bytes in -> GroupSamples bytes out) vs np.concatenate",
+        "Build synthetic groups (episodes of growing agent conversations, as serialised events) "
+        "into GroupSamples through the sample builder's join and build, and concatenate the "
+        "same ids as numpy arrays, alternating, in the same run. Prints tokens/s of both and "
+        "their ratio; the last line is one JSON object.",
+        _samples_arguments,
+    ),
+    Benchmark(
+        "reward",
+        "reward",
+        "builtin:tests seconds per scored patch vs the bare test run",
+        "For each task of a swe task file (`harnessrl swe synth` output), score its gold patch "
+        "and a patch that fixes nothing with builtin:tests, and, in the same run, apply each "
+        "patch to a clone and run the task's test command directly (no rules, no containment). "
+        "Prints seconds per patch for both and their ratio; the last line is one JSON object.",
+        _reward_arguments,
+    ),
+    Benchmark(
+        "trainer",
+        "trainer",
+        "trainer optimiser-step time vs a bare PyTorch loop, same batches and model",
+        "Train two copies of the same model on the same seeded batches, alternating: one "
+        "through the trainer's Policy.step (weights, packing, clipped loss, stats, clipping, "
+        "AdamW), one through a bare forward/log_softmax/backward/AdamW loop over the same "
+        "micro-batches. Prints step seconds, their ratio, tokens/s (and MFU on CUDA); the last "
+        "line is one JSON object.",
+        _trainer_arguments,
+    ),
+)

@@ -254,35 +254,33 @@ def shell_exports(env: dict[str, str], episode: ManualEpisode, stack: Path | Non
 async def _check_health(url: str) -> None:
     """CliError unless the service at `url` answers /healthz with 200 (a stale stack file
     fails here, at once, rather than at the harness's first call)."""
-    from harnessrl.http import HttpClient, HttpClientError
+    import httpx
 
     try:
-        client = HttpClient(url, connect_timeout_s=2.0, read_timeout_s=10.0)
-    except ValueError as err:
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(10.0, connect=2.0)) as c:
+            response = await c.get("/healthz")
+    except httpx.InvalidURL as err:
         raise CliError(f"gateway URL in the stack file: {err}") from err
-    try:
-        response = await client.request("GET", "/healthz")
-    except (HttpClientError, OSError) as err:
+    except (httpx.HTTPError, OSError) as err:
         raise CliError(
             f"the gateway at {url} cannot be reached ({err!r}): is `harnessrl up` still running?"
         ) from err
-    finally:
-        await client.close()
-    if response.status != 200:
-        raise CliError(f"the gateway at {url}: /healthz answered {response.status}")
+    if response.status_code != 200:
+        raise CliError(f"the gateway at {url}: /healthz answered {response.status_code}")
 
 
 async def _close(
     access: GatewayAccess, episode_id: str, attempt: int, group_id: str, reason: str
 ) -> int:
-    from harnessrl.http import HttpClientError
+    import httpx
+
     from harnessrl.services.controller.gateway_admin import GatewayAdmin, GatewayCloseError
 
     await _check_health(access.admin_url)
     admin = GatewayAdmin(access.admin_url, access.admin_token, timeout_s=CLOSE_TIMEOUT_S)
     try:
         return await admin.close_episode(episode_id, attempt, group_id, reason=reason)
-    except (GatewayCloseError, HttpClientError) as err:
+    except (GatewayCloseError, httpx.HTTPError) as err:
         raise CliError(str(err) or repr(err)) from err
     finally:
         await admin.close()

@@ -154,9 +154,7 @@ def _query(
     end_us: int,
     limit: int = 20,
 ) -> list[Span]:
-    import urllib.error
-    import urllib.parse
-    import urllib.request
+    import httpx
 
     from harnessrl.telemetry.tracetree import from_jaeger
 
@@ -170,12 +168,16 @@ def _query(
         params["operation"] = operation
     if tags:
         params["tags"] = json.dumps(tags)
-    url = f"{base.rstrip('/')}/api/traces?{urllib.parse.urlencode(params)}"
+    url = f"{base.rstrip('/')}/api/traces"
     try:
-        with urllib.request.urlopen(url, timeout=30) as response:
-            data = json.load(response)
-    except urllib.error.HTTPError as err:
-        raise CliError(f"Jaeger query {url} answered {err.code} {err.reason}") from err
-    except (urllib.error.URLError, OSError) as err:
+        response = httpx.get(url, params=params, timeout=30)
+        response.raise_for_status()
+        data = response.json()
+    except httpx.HTTPStatusError as err:
+        status = err.response
+        raise CliError(
+            f"Jaeger query {err.request.url} answered {status.status_code} {status.reason_phrase}"
+        ) from err
+    except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError) as err:
         raise CliError(f"Jaeger at {base} cannot be reached: {err}") from err
     return [span for trace in data.get("data") or () for span in from_jaeger(trace)]

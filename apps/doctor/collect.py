@@ -15,7 +15,6 @@ import itertools
 import json
 import tempfile
 import time
-import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,7 +210,7 @@ async def _counters(base_url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = await asyncio.to_thread(_get, f"{base_url}/metrics")
+        text = await _get(f"{base_url}/metrics")
     except OSError as err:
         log.warning("doctor: gateway metrics unreadable", url=base_url, error=repr(err))
         return {}
@@ -228,7 +227,7 @@ async def _context_limit(engine_url: str | None) -> int | None:
     if engine_url is None:
         return None
     try:
-        data = json.loads(await asyncio.to_thread(_get, f"{engine_url}/v1/models"))
+        data = json.loads(await _get(f"{engine_url}/v1/models"))
         limits = [m.get("max_model_len") for m in data.get("data", [])]
         return next((int(v) for v in limits if isinstance(v, int) and v > 0), None)
     except (OSError, ValueError, AttributeError) as err:
@@ -236,7 +235,14 @@ async def _context_limit(engine_url: str | None) -> int | None:
         return None
 
 
-def _get(url: str, timeout_s: float = 5.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        body: bytes = response.read()
-    return body.decode()
+async def _get(url: str, timeout_s: float = 5.0) -> str:
+    """The body of a GET answered 200; OSError when it cannot be had."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            response = await client.get(url)
+            response.raise_for_status()
+    except httpx.HTTPError as err:
+        raise OSError(f"{url}: {err!r}") from err
+    return response.text

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-import urllib.request
 from typing import Any
+
+import httpx
 
 _STEP_GAUGES = {
     "harnessrl_trainer_loss": "loss",
@@ -19,13 +19,13 @@ _STEP_GAUGES = {
 
 async def scrape(base_url: str, timeout_s: float = 5.0) -> dict[str, Any]:
     """GET `base_url`/metrics and `parse` it. Raises OSError when it cannot be read."""
-
-    def get() -> str:
-        with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout_s) as response:
-            body: bytes = response.read()
-        return body.decode()
-
-    return parse(await asyncio.to_thread(get))
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            response = await client.get(f"{base_url}/metrics")
+            response.raise_for_status()
+    except httpx.HTTPError as err:
+        raise OSError(f"{base_url}/metrics: {err!r}") from err
+    return parse(response.text)
 
 
 def parse(text: str) -> dict[str, Any]:

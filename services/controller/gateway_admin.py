@@ -1,5 +1,8 @@
 """Closing episodes at the gateway replica that owns them (its admin API), with retries
-while it is away; which replica owns an episode (rendezvous hashing)."""
+while it is away; which replica owns an episode (rendezvous hashing).
+
+A control-plane call, one per episode attempt: it goes through httpx, the project's one
+client off the hot path (the gateway's own client serves only the calls to engines)."""
 
 from __future__ import annotations
 
@@ -7,9 +10,9 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import httpx
 import orjson
 
-from harnessrl.http import HttpClient
 from harnessrl.logs import get_logger
 from harnessrl.rendezvous import ranking
 from harnessrl.retry import Backoff, is_retryable
@@ -35,7 +38,7 @@ class GatewayAdmin:
 
     def __init__(self, url: str, admin_token: str, *, timeout_s: float, replica: str = "") -> None:
         self.replica = replica
-        self._client = HttpClient(url, read_timeout_s=60)
+        self._client = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(60.0, connect=10.0))
         self._auth = [
             ("authorization", f"Bearer {admin_token}"),
             ("content-type", "application/json"),
@@ -53,23 +56,23 @@ class GatewayAdmin:
         while True:
             problem: str
             try:
-                response = await self._client.request(
-                    "POST", f"/admin/episodes/{episode_id}/close", headers=self._auth, body=body
+                response = await self._client.post(
+                    f"/admin/episodes/{episode_id}/close", headers=self._auth, content=body
                 )
             except Exception as err:
                 if not is_retryable(err):
                     raise
                 problem = repr(err)
             else:
-                if response.status == 200:
-                    count: int = orjson.loads(response.body)["call_count"]
+                if response.status_code == 200:
+                    count: int = orjson.loads(response.content)["call_count"]
                     return count
-                if response.status not in (502, 503, 504):
+                if response.status_code not in (502, 503, 504):
                     raise GatewayCloseError(
                         f"gateway refused to close {episode_id}: HTTP "
-                        f"{response.status} {response.body[:300]!r}"
+                        f"{response.status_code} {response.content[:300]!r}"
                     )
-                problem = f"HTTP {response.status}"
+                problem = f"HTTP {response.status_code}"
             if asyncio.get_running_loop().time() > deadline:
                 raise GatewayCloseError(f"gateway unreachable closing {episode_id}: {problem}")
             log.warning(
@@ -80,7 +83,7 @@ class GatewayAdmin:
             await asyncio.sleep(next(delays))
 
     async def close(self) -> None:
-        await self._client.close()
+        await self._client.aclose()
 
 
 class Gateways:
