@@ -76,7 +76,7 @@ async def _main(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         **os.environ,
         "HARNESSRL_GATEWAY__TOKEN_SECRET": SECRET,
         "HARNESSRL_GATEWAY__ADMIN_TOKEN": ADMIN,
-        "HARNESSRL_LOG__LEVEL": "WARNING",
+        "HARNESSRL_LOG__LEVEL": args.log_level,
         "HARNESSRL_PRODUCER__SPILL_DIR": spill,
     }
     gateway = await asyncio.create_subprocess_exec(
@@ -96,11 +96,18 @@ async def _main(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     try:
         await asyncio.to_thread(wait_http, f"http://127.0.0.1:{engine_port}/v1/models")
         await asyncio.to_thread(wait_http, f"http://127.0.0.1:{gateway_port}/healthz")
-        assert piped.pid is not None
+        assert piped.pid is not None and standin.pid is not None
         pipe_at = (f"http://127.0.0.1:{pipe_port}", piped.pid)
         await asyncio.to_thread(wait_http, f"{pipe_at[0]}/v1/models")
         return await asyncio.to_thread(
-            _run, args, engine_port, gateway_port, gateway.pid, log, pipe=pipe_at
+            _run,
+            args,
+            engine_port,
+            gateway_port,
+            gateway.pid,
+            log,
+            pipe=pipe_at,
+            engine_pid=standin.pid,
         )
     finally:
         gateway.send_signal(signal.SIGTERM)
@@ -118,6 +125,7 @@ def _run(
     log: Any,
     *,
     pipe: tuple[str, int],
+    engine_pid: int,
 ) -> dict[str, Any]:
     direct = (f"http://127.0.0.1:{engine_port}", ["/v1/chat/completions"])
     through = (
@@ -130,6 +138,7 @@ def _run(
         "completion_ids": len(COMPLETION_IDS),
         "rounds": args.rounds,
         "seconds_per_run": args.seconds,
+        "gateway_log_level": args.log_level,
     }
     for concurrency in LEVELS:
         runs: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": []}
@@ -161,6 +170,7 @@ def _run(
             through[0],
             tokens(),
             pid=gateway_pid,
+            engine_pid=engine_pid,
             pipe=pipe,
             seconds=args.seconds,
             rounds=args.rounds,

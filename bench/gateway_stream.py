@@ -108,12 +108,15 @@ def cpu_s(pid: int) -> float:
 
 
 def _measure(
-    base: str, paths: list[str], body: dict[str, Any], seconds: float, pid: int | None
+    base: str, paths: list[str], body: dict[str, Any], seconds: float, pids: dict[str, int]
 ) -> dict[str, float]:
-    before = cpu_s(pid) if pid else 0.0
+    """One run at concurrency 16; `<prefix>cpu_ms_per_call` for each process in `pids`."""
+    before = {name: cpu_s(pid) for name, pid in pids.items()}
     result = load(base, paths, 16, seconds, body=orjson.dumps(body))
-    if pid:
-        result["cpu_ms_per_call"] = (cpu_s(pid) - before) * 1000 / max(1, result["calls"])
+    for name, pid in pids.items():
+        result[f"{name}cpu_ms_per_call"] = (
+            (cpu_s(pid) - before[name]) * 1000 / max(1, result["calls"])
+        )
     return result
 
 
@@ -123,6 +126,7 @@ def rows(
     tokens: list[str],
     *,
     pid: int,
+    engine_pid: int,
     pipe: tuple[str, int],
     seconds: float,
     rounds: int,
@@ -130,7 +134,9 @@ def rows(
 ) -> dict[str, Any]:
     """At concurrency 16: non-streamed chat (CPU per call), streams of 50 and 2,000 tokens,
     and the Responses API non-streamed and streamed, each against chat straight to the
-    stand-in and through the byte pipe (`pipe`: its URL and process id)."""
+    stand-in and through the byte pipe (`pipe`: its URL and process id). The gateway's CPU
+    per call is printed beside the engine stand-in's (`engine_pid`) in the same runs: the
+    stand-in only parses a request and writes a canned answer, a floor for any HTTP hop."""
     chat_direct = (direct, ["/v1/chat/completions"])
     chat_pipe = (pipe[0], ["/v1/chat/completions"])
     chat_gateway = (gateway, [f"/e/{t}/v1/chat/completions" for t in tokens])
@@ -155,15 +161,16 @@ def rows(
             order = ("direct", "gateway", "pipe") if r % 2 == 0 else ("pipe", "gateway", "direct")
             for side in order:
                 if side == "direct":
-                    runs[side].append(_measure(*chat_direct, chat_body, seconds, None))
+                    runs[side].append(_measure(*chat_direct, chat_body, seconds, {}))
                 elif side == "pipe":
-                    runs[side].append(_measure(*chat_pipe, chat_body, seconds, pipe[1]))
+                    runs[side].append(_measure(*chat_pipe, chat_body, seconds, {"": pipe[1]}))
                 else:
-                    runs[side].append(_measure(*through, body, seconds, pid))
+                    pids = {"": pid, "engine_": engine_pid}
+                    runs[side].append(_measure(*through, body, seconds, pids))
         d = {k: statistics.median(x[k] for x in runs["direct"]) for k in ("p50_ms", "rps")}
         g = {
             k: statistics.median(x[k] for x in runs["gateway"])
-            for k in ("p50_ms", "rps", "cpu_ms_per_call")
+            for k in ("p50_ms", "rps", "cpu_ms_per_call", "engine_cpu_ms_per_call")
         }
         floor = statistics.median(x["cpu_ms_per_call"] for x in runs["pipe"])
         n = int(chat_body["max_tokens"]) if body.get("stream") else 0
@@ -173,6 +180,10 @@ def rows(
         result[f"{name}_throughput_ratio_c16"] = round(g["rps"] / d["rps"], 3)
         result[f"{name}_gateway_cpu_ms_per_call"] = round(g["cpu_ms_per_call"], 3)
         result[f"{name}_pipe_cpu_ms_per_call"] = round(floor, 3)
+        result[f"{name}_engine_cpu_ms_per_call"] = round(g["engine_cpu_ms_per_call"], 3)
+        result[f"{name}_gateway_cpu_over_engine"] = round(
+            g["cpu_ms_per_call"] / max(g["engine_cpu_ms_per_call"], 1e-9), 2
+        )
         if name == "chat":
             chat_cpu = g["cpu_ms_per_call"]
         result[f"{name}_cpu_over_chat"] = round(g["cpu_ms_per_call"] / chat_cpu, 2)
@@ -184,7 +195,8 @@ def rows(
         result[f"{name}_errors"] = sum(x["errors"] for x in every)
         log(
             f"{name}: gateway {g['rps']:,.0f} calls/s p50 {g['p50_ms']:.2f} ms, "
-            f"{g['cpu_ms_per_call']:.3f} ms CPU/call (pipe {floor:.3f}); direct "
+            f"{g['cpu_ms_per_call']:.3f} ms CPU/call (pipe {floor:.3f}, engine stand-in "
+            f"{g['engine_cpu_ms_per_call']:.3f}); direct "
             f"{d['rps']:,.0f} calls/s p50 {d['p50_ms']:.2f} ms"
         )
     return result

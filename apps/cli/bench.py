@@ -231,6 +231,13 @@ def _gateway_arguments(gateway: argparse.ArgumentParser) -> None:
     gateway.add_argument(
         "--soak-calls", type=int, default=100_000, help="calls in the memory soak (default 100000)"
     )
+    gateway.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="the gateway's log level (default INFO, its own default: the access line of "
+        "every call is part of what it costs)",
+    )
 
 
 def _own_arguments(module: str) -> Callable[[argparse.ArgumentParser], None]:
