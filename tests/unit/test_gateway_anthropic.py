@@ -4,7 +4,7 @@ Requests are built by the SDK itself and captured at the transport; answers tran
 the gateway module are handed back to the SDK, which must parse them into the right objects
 (whole messages, `messages.stream(...)` and `create(stream=True)`). `httpx2.MockTransport`
 stands in for the network only. The engine's answers are written here in the exact shapes
-of services/inference/api.py (and vLLM's split tool-call chunks): no model runs in a unit
+of services/inference/engine_chat.py (and vLLM's split tool-call chunks): no model runs in a unit
 test.
 """
 
@@ -134,7 +134,7 @@ def input_of(block: ContentBlock) -> object:
     return tool_use(block).input
 
 
-# -- the engine's answers, in services/inference/api.py's shapes ----------------------------
+# -- the engine's answers, in services/inference/engine_chat.py's shapes --------------------
 
 CHAT_ID = "chatcmpl-5f1e2d"
 HEAD = {"id": CHAT_ID, "object": "chat.completion.chunk", "created": 1, "model": "tiny"}

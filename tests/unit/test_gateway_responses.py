@@ -4,7 +4,7 @@
 Requests are built by the SDK itself and captured at the transport (`httpx2.MockTransport`
 stands in for the network only); responses and stream events translated by the gateway are
 validated with the SDK's own pydantic models. The engine's answers are written here in the
-shapes of services/inference/api.py and vLLM (tool calls streamed in pieces): no model runs
+shapes of services/inference/engine_chat.py and vLLM (tool calls streamed in pieces): no model runs
 in a unit test.
 """
 
