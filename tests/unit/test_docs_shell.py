@@ -46,6 +46,10 @@ _DOCTOR = "tests/integration/test_doctor.py::test_a_clean_harness_passes_every_c
 _GRPC_REWARD = (
     "tests/integration/test_reward.py::test_the_example_grpc_reward_service_scores_episodes"
 )
+_CODEX = (
+    "tests/integration/test_harness_clis.py::"
+    "test_codex_cli_default_agent_runs_through_the_gateway_and_is_captured"
+)
 _H = r"\.venv/bin/harnessrl"
 
 COMMANDS: tuple[tuple[str, str], ...] = (
@@ -55,6 +59,9 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     (r"\.venv/bin/python examples/calculator/tasks\.py ", RUN),
     (r"printf 'HARNESSRL_TOKEN_SECRET=", RUN),
     (rf"{_H} up --config examples/up\.yaml", _UP),
+    # The same command on the stack with a longer context; test_harness_clis runs the CLIs
+    # against an engine at those context lengths.
+    (rf"{_H} up --config examples/coding-agents\.yaml", _UP),
     (rf'eval "\$\({_H} episode open\)"', _EPISODE),
     (r"\.venv/bin/python examples/calculator/harness\.py ", _EPISODE),
     (rf"{_H} episode close ", _EPISODE),
@@ -75,11 +82,8 @@ COMMANDS: tuple[tuple[str, str], ...] = (
         "tests/integration/test_chaos.py::"
         "test_a_minute_of_kills_and_freezes_loses_and_doubles_nothing",
     ),
-    (
-        r"CODEX_HOME=\$\(mktemp -d\) codex exec ",
-        "tests/integration/test_harness_clis.py::"
-        "test_codex_cli_default_agent_runs_through_the_gateway_and_is_captured",
-    ),
+    (r"mkdir -p ~/\.codex-harnessrl", _CODEX),
+    (r"CODEX_HOME=~/\.codex-harnessrl codex exec ", _CODEX),
     (
         rf"{_H} bench load ",
         "tests/integration/test_bench_load.py::"
