@@ -77,18 +77,22 @@ def run_tool(arguments: str) -> str:
 
 
 def solve(
-    client: openai.OpenAI, question: str, answered: Callable[[int], None] | None = None
+    client: openai.OpenAI,
+    question: str,
+    answered: Callable[[int], None] | None = None,
+    *,
+    model: str = MODEL,
+    system_prompt: str | None = SYSTEM_PROMPT,
 ) -> dict[str, Any]:
-    """Run the tool loop; `answered(n)` is called when the n-th model call has returned."""
-    messages: list[Any] = [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": question},
-    ]
+    """Run the tool loop; `answered(n)` is called when the n-th model call has returned.
+    `model` and `system_prompt` (None: no system message) are what the agent sends."""
+    messages: list[Any] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": question})
     made: set[str] = set()
     tool_calls = 0
     for calls in range(1, MAX_CALLS + 1):
         response = client.chat.completions.create(
-            model=MODEL, messages=messages, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=0
+            model=model, messages=messages, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=0
         )
         if answered is not None:
             answered(calls)

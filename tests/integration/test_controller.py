@@ -183,7 +183,8 @@ async def test_a_real_harness_runs_through_gateway_and_engine_with_consistent_ev
         assert [(c.call_count, c.attempt) for c in closed if c.episode_id == episode] == [(2, 1)]
         finished = next(f for f in finals if f.episode_id == episode)
         assert finished.status == pb.EPISODE_STATUS_SUCCEEDED and finished.exit_code == 0
-        assert json.loads(finished.result_json) == {"answer": "The answer is 42.", "calls": 2}
+        result = {"answer": "The answer is 42.", "calls": 2, "tools": 1}
+        assert json.loads(finished.result_json) == result
         assert json.loads(finished.task_input_json) == {"question": "What is 17 + 25?"}
         assert finished.artifacts_uri.startswith("file://")
         # The calls were captured under the episode's trace.
