@@ -116,7 +116,7 @@ POD_FIELDS = {
 
 
 SECRETS = {"token-secret": "t0ken-" + "a" * 58, "admin-token": "adm1n-" + "b" * 58}
-"""What the operator's secrets.env holds (README: printf ... "$(openssl rand -hex 32)")."""
+"""What the operator's secrets.env holds (docs/deploy.md: printf ... "$(openssl rand -hex 32)")."""
 
 
 def _kustomize(directory: Path) -> subprocess.CompletedProcess[str]:
@@ -131,7 +131,7 @@ def _kustomize(directory: Path) -> subprocess.CompletedProcess[str]:
 
 @functools.cache
 def _tree() -> Path:
-    """deploy/k8s copied, with each overlay's secrets.env written as the README says."""
+    """deploy/k8s copied, with each overlay's secrets.env written as docs/deploy.md says."""
     import atexit
     import tempfile
 
