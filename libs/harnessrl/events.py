@@ -143,6 +143,19 @@ def topic_of(event: Message) -> str:
     return _route(event).topic
 
 
+def topic_for(event_type: type[Message]) -> str:
+    """The topic events of `event_type` are published on. Raises TypeError for a non-event."""
+    try:
+        return _ROUTES[event_type].topic
+    except KeyError:
+        raise TypeError(f"{event_type.__name__} is not a harnessrl event") from None
+
+
+def kind_of(event: Message) -> str:
+    """The name of the envelope field that carries `event` ("model_call", ...)."""
+    return _route(event).field
+
+
 def event_id(event: Message) -> str:
     """The event's stable identity (EventMeta.event_id), derived from what it describes."""
     return _route(event).identity(event)

@@ -11,27 +11,18 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import AsyncExitStack
-from typing import Any
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from harnessrl import events
-from harnessrl.bus import (
-    BusMetrics,
-    Consumer,
-    Context,
-    Hold,
-    Producer,
-    Record,
-    ensure_topics,
-    stopper,
-)
+from harnessrl.bus import Context, Hold
 from harnessrl.bus.snapshot import read_to_end
 from harnessrl.logs import get_logger
 from harnessrl.metrics import Labelled
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
+from harnessrl.service_bus import Handlers, ServiceBus, Subscription
 from harnessrl.services.controller.admission import EpisodeAdmission
 from harnessrl.services.controller.attempts import EpisodeRunner, EpisodeTask
 from harnessrl.services.controller.config import MAX_GROUP_SIZE, ControllerConfig, HarnessSpec
@@ -81,27 +72,19 @@ class ControllerService:
         self._groups: dict[str, list[asyncio.Task[None]]] = {}
         self._ledger = EpisodeLedger()
         self._episodes: EpisodeRunner | None = None
-        self._producer: Producer | None = None
+        self._bus = ServiceBus(config, runtime, tracer="harnessrl.controller")
         self.metrics = ControllerMetrics(runtime.registry)
         self.ready = asyncio.Event()
         self.admission: EpisodeAdmission | None = None
         """Versions announced and served, slots in use (set once running)."""
 
     async def run(self) -> None:
-        config, section, runtime = self._config, self._config.controller, self._runtime
+        section = self._config.controller
         assert section.admin_token is not None
-        bus_metrics = BusMetrics(runtime.registry)
         async with AsyncExitStack() as stack:
-            producer = Producer(
-                config.kafka, config.producer, name=runtime.producer_name, metrics=bus_metrics
+            producer = await self._bus.start(
+                stack, topics=[events.TASKS, events.EPISODES, events.POLICY]
             )
-            await producer.start()
-            stack.push_async_callback(producer.stop)
-            self._producer = producer
-            if config.kafka.create_topics:
-                await ensure_topics(
-                    config.kafka, [events.TASKS, events.EPISODES, events.POLICY], max_attempts=10**6
-                )
             await self._rebuild()
             runner = self._make_runner()
             await runner.start()
@@ -125,13 +108,13 @@ class ControllerService:
                 producer=producer,
                 admission=admission,
                 gateways=gateways,
-                tracer=runtime.tracer_provider.get_tracer("harnessrl.controller"),
+                tracer=self._bus.tracer,
                 recovered=recovered,
                 metrics=self.metrics,
             )
             self.metrics.groups.set_function(lambda: len(self._groups))
             self.metrics.running.set_function(lambda: admission.in_flight)
-            await self._consume(stack, producer, bus_metrics, admission)
+            self._consume(stack, admission)
             log.info(
                 "controller running",
                 runner=runner.name,
@@ -145,7 +128,7 @@ class ControllerService:
         self._stopping.set()
 
     def health(self) -> dict[str, bool]:
-        return {"producer": self._producer is not None and self._producer.healthy}
+        return {"producer": self._bus.healthy}
 
     async def _rebuild(self) -> None:
         async for kind, event, _ in read_to_end(
@@ -164,47 +147,27 @@ class ControllerService:
 
         return local_runner(section)
 
-    async def _consume(
-        self,
-        stack: AsyncExitStack,
-        producer: Producer,
-        metrics: BusMetrics,
-        admission: EpisodeAdmission,
-    ) -> None:
-        config = self._config
-        tracer = self._runtime.tracer_provider.get_tracer("harnessrl.controller")
-        tasks = Consumer(
-            config.kafka,
-            config.consumer,
-            topics=[events.TASKS],
-            group_id="harnessrl.controller",
-            handler=self._on_task,
-            producer=producer,
-            metrics=metrics,
-            tracer=tracer,
-            on_revoked=self._on_revoked,
-        )
-        policy = Consumer(
-            config.kafka,
-            config.consumer,
-            topics=[events.POLICY],
-            group_id=f"harnessrl.controller.{config.instance}",
-            handler=lambda r, c: self._on_policy(r, admission),
-            producer=producer,
-            metrics=metrics,
-            tracer=tracer,
-        )
+    def _consume(self, stack: AsyncExitStack, admission: EpisodeAdmission) -> None:
         # Teardown runs in reverse: stop taking tasks, stop following the policy, then end
         # the episode tasks (their runs are recovered by the next controller).
         stack.push_async_callback(self._cancel_episodes)
-        for consumer in (policy, tasks):
-            task = asyncio.create_task(consumer.run(), name=f"consume {consumer.topics[0]}")
-            stack.push_async_callback(stopper(consumer, task))
 
-    async def _on_task(self, record: Record, ctx: Context) -> None:
-        if record.kind != "task_submitted":
-            return
-        task: pb.TaskSubmitted = record.event  # type: ignore[assignment]
+        async def on_version(event: pb.PolicyVersion, ctx: Context) -> None:
+            await admission.announced_version(event.version)
+
+        async def on_loaded(event: pb.PolicyLoaded, ctx: Context) -> None:
+            if event.ok and await admission.loaded(event.version, event.engine):
+                await self._end_stale(admission)
+
+        policy: Handlers = {pb.PolicyVersion: on_version, pb.PolicyLoaded: on_loaded}
+        group = f"harnessrl.controller.{self._config.instance}"
+        self._bus.consume(stack, Subscription(group, policy))
+        tasks = {pb.TaskSubmitted: self._on_task}
+        self._bus.consume(
+            stack, Subscription("harnessrl.controller", tasks, on_revoked=self._on_revoked)
+        )
+
+    async def _on_task(self, task: pb.TaskSubmitted, ctx: Context) -> None:
         harness, size = self._validate(task)
         if task.group_id in self._groups:
             return  # a redelivery while the group still runs
@@ -256,15 +219,6 @@ class ControllerService:
         if task.group_size > MAX_GROUP_SIZE:
             raise PermanentError(f"TaskSubmitted.group_size: {task.group_size} > {MAX_GROUP_SIZE}")
         return harness, task.group_size or section.group_size
-
-    async def _on_policy(self, record: Record, admission: EpisodeAdmission) -> None:
-        if record.kind == "policy_version":
-            event: Any = record.event
-            await admission.announced_version(event.version)
-        elif record.kind == "policy_loaded" and record.event.ok:  # type: ignore[attr-defined]
-            event = record.event
-            if await admission.loaded(event.version, event.engine):
-                await self._end_stale(admission)
 
     async def _end_stale(self, admission: EpisodeAdmission) -> None:
         assert self._episodes is not None

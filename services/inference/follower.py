@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
-from harnessrl.bus import Context, Record
+from harnessrl.bus import Context
 from harnessrl.logs import get_logger
 from harnessrl.retry import is_retryable
 from harnessrl.v1 import events_pb2 as pb
@@ -157,10 +157,8 @@ class PolicyFollower:
             registry=registry,
         )
 
-    async def handle(self, record: Record, ctx: Context) -> None:
-        if record.kind != "policy_version":
-            return
-        event: pb.PolicyVersion = record.event  # type: ignore[assignment]  # kind says so
+    async def on_version(self, event: pb.PolicyVersion, ctx: Context) -> None:
+        """The consumer's handler of PolicyVersion: apply it, publish what was loaded."""
         loaded = await self.apply(event)
         if loaded is not None:
             ctx.publish(loaded)

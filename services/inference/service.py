@@ -9,11 +9,11 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 from harnessrl import events
-from harnessrl.bus import BusMetrics, Consumer, Producer, ensure_topics
 from harnessrl.bus.snapshot import read_to_end
 from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, retry
 from harnessrl.runtime import Runtime
+from harnessrl.service_bus import ServiceBus, Subscription
 from harnessrl.services.inference.api import create_app
 from harnessrl.services.inference.codec import TextCodec
 from harnessrl.services.inference.config import InferenceConfig, InferenceSection
@@ -111,7 +111,7 @@ class InferenceService:
         self.engine: Engine | None = None
         self.ready = asyncio.Event()
         self._follow_task: asyncio.Task[None] | None = None
-        self._producer: Producer | None = None
+        self._bus = ServiceBus(config, runtime, tracer="harnessrl.inference")
 
     @property
     def port(self) -> int:
@@ -167,16 +167,7 @@ class InferenceService:
     async def _follow(self, engine: Engine, stack: AsyncExitStack) -> None:
         """Start following hrl.policy in the background (the engine serves without Kafka)."""
         section = self._config.inference
-        metrics = BusMetrics(self._runtime.registry)
-        producer = Producer(
-            self._config.kafka,
-            self._config.producer,
-            name=self._runtime.producer_name,
-            metrics=metrics,
-        )
-        await producer.start()
-        stack.push_async_callback(producer.stop)
-        self._producer = producer
+        await self._bus.start(stack)
         name = section.advertise_url or f"http://{section.host}:{self.port}"
         follower = PolicyFollower(
             EngineLoader(
@@ -185,38 +176,17 @@ class InferenceService:
             engine_name=name,
             registry=self._runtime.registry,
         )
+
+        async def before() -> None:  # in the background: the engine serves without Kafka
+            await self._bus.create_topics([events.POLICY])
+            await self._catch_up(follower)
+
         # Every replica must see every version: a consumer group of its own.
-        consumer = Consumer(
-            self._config.kafka,
-            self._config.consumer,
-            topics=[events.POLICY],
-            group_id=f"harnessrl.inference.{self._config.instance}",
-            handler=follower.handle,
-            producer=producer,
-            metrics=metrics,
-            tracer=self._runtime.tracer_provider.get_tracer("harnessrl.inference"),
-        )
+        group = f"harnessrl.inference.{self._config.instance}"
+        subscription = Subscription(group, {pb.PolicyVersion: follower.on_version})
+        self._follow_task = self._bus.consume(stack, subscription, before=before).task
 
-        ready = asyncio.Event()  # topics exist: from here on, stop the consumer gracefully
-
-        async def follow() -> None:
-            if self._config.kafka.create_topics:
-                await ensure_topics(self._config.kafka, [events.POLICY], max_attempts=10**6)
-            await self._catch_up(follower, producer)
-            ready.set()
-            await consumer.run()
-
-        self._follow_task = task = asyncio.create_task(follow(), name="policy-follower")
-
-        async def stop_following() -> None:
-            await consumer.stop()
-            if not ready.is_set():
-                task.cancel()  # still waiting for the broker: nothing in flight
-            await asyncio.gather(task, return_exceptions=True)
-
-        stack.push_async_callback(stop_following)
-
-    async def _catch_up(self, follower: PolicyFollower, producer: Producer) -> None:
+    async def _catch_up(self, follower: PolicyFollower) -> None:
         """Load the newest announced version before following: a replica started (or
         restarted) after it was announced would otherwise serve its initial weights until
         the next one. The consumer then skips what this already loaded."""
@@ -224,15 +194,15 @@ class InferenceService:
 
         async def scan() -> None:
             nonlocal newest
-            async for kind, event, _ in read_to_end(
+            async for _, event, _ in read_to_end(
                 self._config.kafka,
                 events.POLICY,
                 client_id=f"{self._runtime.producer_name}/catch-up",
             ):
-                if kind == "policy_version" and (
-                    newest is None or event.version > newest.version  # type: ignore[attr-defined]
+                if isinstance(event, pb.PolicyVersion) and (
+                    newest is None or event.version > newest.version
                 ):
-                    newest = event  # type: ignore[assignment]
+                    newest = event
 
         try:
             await retry(scan, backoff=Backoff(0.5, 5.0), max_attempts=10**6)
@@ -244,7 +214,7 @@ class InferenceService:
 
                 loaded = await retry(load, backoff=Backoff(0.5, 5.0), max_attempts=20)
                 if loaded is not None:
-                    await producer.publish(loaded)
+                    await self._bus.producer.publish(loaded)
         except Exception as err:  # the consumer still brings the next version
             log.warning("could not catch up with the newest policy version", error=repr(err))
 
@@ -263,5 +233,5 @@ class InferenceService:
             checks["policy_follower"] = (
                 self._follow_task is not None and not self._follow_task.done()
             )
-            checks["producer"] = self._producer is not None and self._producer.healthy
+            checks["producer"] = self._bus.healthy
         return checks

@@ -16,12 +16,13 @@ from contextlib import AsyncExitStack
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from harnessrl import events
-from harnessrl.bus import BusMetrics, Consumer, Context, Hold, Producer, Record, ensure_topics
+from harnessrl.bus import Context, Hold
 from harnessrl.bus.snapshot import read_to_end
 from harnessrl.logs import get_logger
 from harnessrl.metrics import Labelled
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
+from harnessrl.service_bus import ServiceBus, Subscription
 from harnessrl.services.reward.config import RewardConfig
 from harnessrl.services.reward.episode import Episode
 from harnessrl.services.reward.jail import Jail
@@ -88,8 +89,8 @@ class RewardService:
         self._scored: set[Key] = set()
         self._running: dict[Key, asyncio.Task[None]] = {}
         self._stopping = asyncio.Event()
-        self._producer: Producer | None = None
-        self._tracer = runtime.tracer_provider.get_tracer("harnessrl.reward")
+        self._bus = ServiceBus(config, runtime, tracer="harnessrl.reward")
+        self._tracer = self._bus.tracer
         self.metrics = RewardMetrics(runtime.registry)
         self.ready = asyncio.Event()
 
@@ -101,36 +102,20 @@ class RewardService:
         config, runtime = self._config, self._runtime
         if config.reward.source == "builtin:tests":  # it never scores outside its jail
             await Jail(config.reward.tests).probe()
-        bus_metrics = BusMetrics(runtime.registry)
         async with AsyncExitStack() as stack:
             stack.push_async_callback(self._scorer.close)
-            producer = Producer(
-                config.kafka, config.producer, name=runtime.producer_name, metrics=bus_metrics
-            )
-            await producer.start()
-            stack.push_async_callback(producer.stop)
-            self._producer = producer
-            if config.kafka.create_topics:
-                await ensure_topics(
-                    config.kafka, [events.EPISODES, events.REWARDS], max_attempts=10**6
-                )
-            async for kind, event, _ in read_to_end(
+            await self._bus.start(stack, topics=[events.EPISODES, events.REWARDS])
+            async for _, event, _ in read_to_end(
                 config.kafka, events.REWARDS, client_id=f"{runtime.producer_name}/rebuild"
             ):
-                if kind == "reward_assigned":
-                    self._scored.add((event.episode_id, event.attempt))  # type: ignore[attr-defined]
-            consumer = Consumer(
-                config.kafka,
-                config.consumer,
-                topics=[events.EPISODES],
-                group_id="harnessrl.reward",
-                handler=self._on_record,
-                producer=producer,
-                metrics=bus_metrics,
-                tracer=self._tracer,
+                if isinstance(event, pb.RewardAssigned):
+                    self._scored.add((event.episode_id, event.attempt))
+            # Closed in reverse: the consumer stops taking episodes, then the ones being
+            # scored finish (or are cancelled), then the producer flushes.
+            stack.push_async_callback(self._drain)
+            self._bus.consume(
+                stack, Subscription("harnessrl.reward", {pb.EpisodeFinished: self._on_finished})
             )
-            task = asyncio.create_task(consumer.run(), name="consume hrl.episodes")
-            stack.push_async_callback(self._drain, consumer, task)
             self.metrics.in_flight.set_function(lambda: len(self._running))
             if isinstance(self._scorer, FunctionScorer):
                 scorer = self._scorer
@@ -143,12 +128,9 @@ class RewardService:
         self._stopping.set()
 
     def health(self) -> dict[str, bool]:
-        return {"producer": self._producer is not None and self._producer.healthy}
+        return {"producer": self._bus.healthy}
 
-    async def _on_record(self, record: Record, ctx: Context) -> None:
-        if record.kind != "episode_finished":
-            return
-        event: pb.EpisodeFinished = record.event  # type: ignore[assignment]
+    async def _on_finished(self, event: pb.EpisodeFinished, ctx: Context) -> None:
         if not event.group_id:  # its reward could not be published (the group is its key)
             raise PermanentError("EpisodeFinished.group_id: required")
         if not event.final and not self._config.reward.score_non_final:
@@ -173,8 +155,7 @@ class RewardService:
                 span.set_attribute("harnessrl.reward.missing", assigned.missing)
                 if not assigned.missing:
                     span.set_attribute("harnessrl.reward.value", assigned.value)
-                assert self._producer is not None
-                await self._producer.publish(assigned)
+                await self._bus.producer.publish(assigned)
             self._count(assigned)
             self._scored.add(key)
             hold.release()
@@ -221,11 +202,9 @@ class RewardService:
             message=assigned.message[:200],
         )
 
-    async def _drain(self, consumer: Consumer, task: asyncio.Task[None]) -> None:
-        """Stop taking episodes, let the ones being scored finish (half the shutdown budget),
-        then cancel the rest: they are scored again after a restart."""
-        await consumer.stop()
-        await asyncio.gather(task, return_exceptions=True)
+    async def _drain(self) -> None:
+        """Once the consumer stopped, let the episodes being scored finish (half the shutdown
+        budget), then cancel the rest: they are scored again after a restart."""
         running = list(self._running.values())
         if running:
             _, pending = await asyncio.wait(

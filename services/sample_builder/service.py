@@ -21,30 +21,28 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import Link, SpanContext, TraceFlags
 
 from harnessrl import events
-from harnessrl.bus import (
-    BusMetrics,
-    Consumer,
-    Context,
-    Hold,
-    Producer,
-    Record,
-    ensure_topics,
-    stopper,
-)
+from harnessrl.bus import Context, Hold
 from harnessrl.bus.snapshot import read_keys
 from harnessrl.logs import get_logger
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
+from harnessrl.service_bus import ServiceBus, Subscription
 from harnessrl.services.sample_builder.config import SampleBuilderConfig
 from harnessrl.services.sample_builder.metrics import SampleMetrics
 from harnessrl.trust.group import Group
 from harnessrl.trust.samples import Built, Decode, build
+from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)
 
-KINDS = frozenset(
-    {"model_call", "episode_closed", "episode_started", "episode_finished", "reward_assigned"}
+GROUP_EVENTS = (
+    pb.ModelCall,
+    pb.EpisodeClosed,
+    pb.EpisodeStarted,
+    pb.EpisodeFinished,
+    pb.RewardAssigned,
 )
+"""What a group is built from, on hrl.calls, hrl.episodes and hrl.rewards."""
 GROUP = "harnessrl.sample-builder"
 
 
@@ -58,44 +56,28 @@ class SampleBuilderService:
         self._partition: dict[str, int] = {}
         self._done: set[str] = set()
         self._decode: Decode | None = None
-        self._producer: Producer | None = None
+        self._bus = ServiceBus(config, runtime, tracer="harnessrl.sample_builder")
         self._stopping = asyncio.Event()
-        self._tracer = runtime.tracer_provider.get_tracer("harnessrl.sample_builder")
+        self._tracer = self._bus.tracer
         self.metrics = SampleMetrics(runtime.registry)
         self.ready = asyncio.Event()
 
     async def run(self) -> None:
         config, runtime = self._config, self._runtime
-        bus_metrics = BusMetrics(runtime.registry)
+        subscription = Subscription(
+            GROUP,
+            dict.fromkeys(GROUP_EVENTS, self._on_event),
+            on_revoked=self._revoked,
+            co_partitioned=True,
+        )
         async with AsyncExitStack() as stack:
-            producer = Producer(
-                config.kafka, config.producer, name=runtime.producer_name, metrics=bus_metrics
-            )
-            await producer.start()
-            stack.push_async_callback(producer.stop)
-            self._producer = producer
-            topics = [events.CALLS, events.EPISODES, events.REWARDS]
-            if config.kafka.create_topics:
-                await ensure_topics(config.kafka, [*topics, events.SAMPLES], max_attempts=10**6)
+            await self._bus.start(stack, topics=[*subscription.topics, events.SAMPLES])
             self._done = await read_keys(
                 config.kafka, events.SAMPLES, client_id=f"{runtime.producer_name}/rebuild"
             )
             if self._settings.tokenizer is not None:
                 self._decode = await asyncio.to_thread(decoder, str(self._settings.tokenizer))
-            consumer = Consumer(
-                config.kafka,
-                config.consumer,
-                topics=topics,
-                group_id=GROUP,
-                handler=self._on_record,
-                producer=producer,
-                metrics=bus_metrics,
-                tracer=self._tracer,
-                on_revoked=self._revoked,
-                co_partitioned=True,
-            )
-            task = asyncio.create_task(consumer.run(), name="consume calls/episodes/rewards")
-            stack.push_async_callback(stopper(consumer, task))
+            self._bus.consume(stack, subscription)
             sweeper = asyncio.create_task(self._sweep(), name="group timeouts")
             stack.callback(sweeper.cancel)
             self.metrics.open_groups.set_function(lambda: len(self._groups))
@@ -112,21 +94,21 @@ class SampleBuilderService:
         self._stopping.set()
 
     def health(self) -> dict[str, bool]:
-        return {"producer": self._producer is not None and self._producer.healthy}
+        return {"producer": self._bus.healthy}
 
-    async def _on_record(self, record: Record, ctx: Context) -> None:
-        if record.kind not in KINDS:
-            return
-        _check(record.kind, record.event)
-        group_id: str = record.event.group_id  # type: ignore[attr-defined]
+    async def _on_event(self, event: Any, ctx: Context) -> None:
+        """Any of GROUP_EVENTS: added to its group, its record held until the group is."""
+        kind = events.kind_of(event)
+        _check(kind, event)
+        group_id: str = event.group_id
         if group_id in self._done:
             return  # late or re-delivered: the group is built already
         group = self._groups.get(group_id)
         if group is None:
             group = self._groups[group_id] = Group(group_id, time.monotonic())
             self._holds[group_id] = []
-            self._partition[group_id] = record.partition
-        group.add(record.kind, record.event)
+            self._partition[group_id] = ctx.partition
+        group.add(kind, event)
         self._holds[group_id].append(ctx.hold())
         if group.ready:
             self._emit(group_id, timed_out=False)
@@ -163,8 +145,7 @@ class SampleBuilderService:
         if built.samples is None:
             _release(holds)
             return
-        assert self._producer is not None
-        delivery = self._producer.publish(built.samples)
+        delivery = self._bus.producer.publish(built.samples)
         delivery.add_done_callback(lambda f: self._published(f, group_id, holds, built))
 
     def _published(

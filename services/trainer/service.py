@@ -13,27 +13,18 @@ skips what its weights hold — no sample is trained twice, none is skipped.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Any
 
 from opentelemetry.trace import Link, SpanContext, TraceFlags
 
 from harnessrl import events
-from harnessrl.bus import (
-    BusMetrics,
-    Consumer,
-    Context,
-    Hold,
-    Producer,
-    Record,
-    ensure_topics,
-    stopper,
-)
+from harnessrl.bus import Context, Hold
 from harnessrl.bus.snapshot import read_to_end
 from harnessrl.logs import get_logger
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
+from harnessrl.service_bus import Consuming, ServiceBus, Subscription
 from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
 from harnessrl.services.trainer.config import TrainerConfig
 from harnessrl.services.trainer.delivery import DeliveryLedger
@@ -82,53 +73,33 @@ class TrainerService:
         self._room = asyncio.Event()
         self._room.set()
         self._stopping = asyncio.Event()
-        self._producer: Producer | None = None
+        self._bus = ServiceBus(config, runtime, tracer="harnessrl.trainer")
         self._journal: StepJournal | None = None
         self._training: asyncio.Task[None] | None = None
-        self._tracer = runtime.tracer_provider.get_tracer("harnessrl.trainer")
+        self._tracer = self._bus.tracer
         self.metrics = TrainerMetrics(runtime.registry)
         self.ready = asyncio.Event()
         self.finished = asyncio.Event()
-        self._stop_consuming: Callable[[], Awaitable[None]] | None = None
-        """Set once max_steps are taken (and checkpointed); the trainer then only serves."""
+        self._samples: Consuming | None = None
+        """Stopped once max_steps are taken (and checkpointed); the trainer then only serves."""
 
     async def run(self) -> None:
-        config, settings, runtime = self._config, self._settings, self._runtime
-        bus_metrics = BusMetrics(runtime.registry)
+        settings = self._settings
         async with AsyncExitStack() as stack:
-            producer = Producer(
-                config.kafka, config.producer, name=runtime.producer_name, metrics=bus_metrics
-            )
-            await producer.start()
-            stack.push_async_callback(producer.stop)
-            self._producer = producer
-            if config.kafka.create_topics:
-                await ensure_topics(
-                    config.kafka, [events.SAMPLES, events.POLICY], max_attempts=10**6
-                )
+            await self._bus.start(stack, topics=[events.SAMPLES, events.POLICY])
             self._policy = await asyncio.to_thread(self._load)
             self._journal = StepJournal(settings.checkpoint_dir, resumed_from=self.step)
             await self._skip_lost_versions()
             server = WeightSyncServer(settings.weightsync)
             await server.start()
             stack.push_async_callback(server.stop)
-            engines = EngineWatch(config, producer, runtime, expected=settings.engines)
-            await engines.start()
-            stack.push_async_callback(engines.stop)
+            engines = EngineWatch(self._bus.producer, expected=settings.engines)
+            # Every trainer instance follows every engine: a consumer group of its own.
+            group = f"harnessrl.trainer.{self._config.instance}"
+            self._bus.consume(stack, Subscription(group, engines.handlers))
             await self._announce(server, checkpoint="")
-            consumer = Consumer(
-                config.kafka,
-                config.consumer,
-                topics=[events.SAMPLES],
-                group_id=GROUP,
-                handler=self._on_record,
-                producer=producer,
-                metrics=bus_metrics,
-                tracer=self._tracer,
-            )
-            consuming = asyncio.create_task(consumer.run(), name="consume hrl.samples")
-            self._stop_consuming = stopper(consumer, consuming)
-            stack.push_async_callback(self._stop_consuming)
+            samples = Subscription(GROUP, {pb.GroupSamples: self._on_samples})
+            self._samples = self._bus.consume(stack, samples)
             training = asyncio.create_task(self._train(server, engines), name="train")
             self._training = training
             training.add_done_callback(_report_failure)
@@ -156,7 +127,7 @@ class TrainerService:
             and training.exception() is not None
         )
         return {
-            "producer": self._producer is not None and self._producer.healthy,
+            "producer": self._bus.healthy,
             "training": not failed,  # a dead training task: 503, so an orchestrator restarts
         }
 
@@ -187,13 +158,13 @@ class TrainerService:
         engines may serve one. The checkpoint's weights are announced under a version above
         all of them, so every engine goes back to them."""
         announced = self.version
-        async for kind, event, _ in read_to_end(
+        async for _, event, _ in read_to_end(
             self._config.kafka,
             events.POLICY,
             client_id=f"{self._runtime.producer_name}/versions",
         ):
-            if kind == "policy_version":
-                announced = max(announced, event.version)  # type: ignore[attr-defined]
+            if isinstance(event, pb.PolicyVersion):
+                announced = max(announced, event.version)
         if announced > self.version:
             log.warning(
                 "versions after the checkpoint were lost; re-announcing its weights",
@@ -203,10 +174,7 @@ class TrainerService:
             )
             self.version = announced + 1
 
-    async def _on_record(self, record: Record, ctx: Context) -> None:
-        if record.kind != "group_samples":
-            return
-        group: pb.GroupSamples = record.event  # type: ignore[assignment]
+    async def _on_samples(self, group: pb.GroupSamples, ctx: Context) -> None:
         assert self._policy is not None  # loaded before consuming
         _check_token_ids(group, self._policy.vocab_size)
         await self._room.wait()  # backpressure: at most two batches pending
@@ -285,8 +253,8 @@ class TrainerService:
             self._stopping.set()
             return
         # The last version stays served (engines fetch it from this process) until stopped.
-        assert self._stop_consuming is not None
-        await self._stop_consuming()
+        assert self._samples is not None
+        await self._samples.stop()
         log.info(
             "max_steps reached: serving the last version", step=self.step, version=self.version
         )
@@ -333,7 +301,7 @@ class TrainerService:
         return path.resolve().as_uri()
 
     async def _announce(self, server: WeightSyncServer, checkpoint: str) -> None:
-        assert self._policy is not None and self._producer is not None
+        assert self._policy is not None
         policy = self._policy
         if policy.sharded:  # the followers all-gather each tensor as the server copies it
             await asyncio.to_thread(policy.world.share, ("gather", ()))
@@ -341,7 +309,7 @@ class TrainerService:
             self.version, self.step, policy.state_dict(), adapter=self._adapter
         )
         self.metrics.published_bytes.set(manifest.total_bytes)
-        await self._producer.publish(
+        await self._bus.producer.publish(
             pb.PolicyVersion(
                 version=self.version,
                 step=self.step,

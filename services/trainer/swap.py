@@ -12,47 +12,25 @@ import asyncio
 import time
 from typing import Any
 
-from harnessrl import events
-from harnessrl.bus import Consumer, Context, Producer, Record
-from harnessrl.config import ServiceConfig
+from harnessrl.bus import Context, Producer
 from harnessrl.logs import get_logger
-from harnessrl.runtime import Runtime
+from harnessrl.service_bus import Handlers
 from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)
 
 
 class EngineWatch:
-    def __init__(
-        self, config: ServiceConfig, producer: Producer, runtime: Runtime, *, expected: int
-    ) -> None:
+    def __init__(self, producer: Producer, *, expected: int) -> None:
         self._producer = producer
         self._expected = expected
         self.loaded: dict[str, int] = {}
         """Newest version each engine reported loading."""
         self._changed = asyncio.Event()
-        self._consumer = Consumer(
-            config.kafka,
-            config.consumer,
-            topics=[events.POLICY],
-            group_id=f"harnessrl.trainer.{config.instance}",
-            handler=self._on_record,
-            producer=producer,
-        )
-        self._task: asyncio.Task[None] | None = None
+        self.handlers: Handlers = {pb.PolicyLoaded: self._on_loaded}
+        """What it consumes (from hrl.policy, in a consumer group of its trainer instance)."""
 
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._consumer.run(), name="follow hrl.policy")
-
-    async def stop(self) -> None:
-        await self._consumer.stop()
-        if self._task is not None:
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _on_record(self, record: Record, ctx: Context) -> None:
-        if record.kind != "policy_loaded":
-            return
-        event: pb.PolicyLoaded = record.event  # type: ignore[assignment]
+    async def _on_loaded(self, event: pb.PolicyLoaded, ctx: Context) -> None:
         if event.ok and event.version > self.loaded.get(event.engine, -1):
             self.loaded[event.engine] = event.version
             self._changed.set()

@@ -76,6 +76,11 @@ class Context:
         self.deliveries: list[asyncio.Future[Ack]] = []
         self.held = False
 
+    @property
+    def partition(self) -> int:
+        """The partition of the record being processed."""
+        return self._tp[1]
+
     def publish(self, event: Message, **kwargs: Any) -> asyncio.Future[Ack]:
         """Publish an output; the input record is finished only once it is acknowledged."""
         delivery = self._producer.publish(event, **kwargs)
@@ -358,14 +363,3 @@ class Consumer:
         log.info("partitions assigned", group=self.group_id, partitions=sorted(tps))
         if self._on_assigned is not None and tps:
             await self._on_assigned(tps)
-
-
-def stopper(consumer: Consumer, task: asyncio.Task[None]) -> Callable[[], Awaitable[None]]:
-    """An AsyncExitStack callback for a consumer running in `task`: stop it (the batch in
-    hand finishes, offsets are committed), then wait for `task` to end."""
-
-    async def stop() -> None:
-        await consumer.stop()
-        await asyncio.gather(task, return_exceptions=True)
-
-    return stop
