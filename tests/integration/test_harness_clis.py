@@ -206,6 +206,22 @@ def base_env(home: Path, work: Path) -> dict[str, str]:
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LANG": "C.UTF-8"}
 
 
+def test_the_coding_agents_example_stack_has_room_for_both_clis() -> None:
+    """README's recipe runs these CLIs on examples/coding-agents.yaml: its context must hold
+    each one's prompt with the room these tests give (examples/up.yaml's 4,096 holds
+    neither), and Codex, which sends no completion budget, must get the engine's default
+    after its prompt."""
+    from harnessrl.config import load_config
+    from harnessrl.services.inference.config import InferenceConfig
+
+    recipe = load_config(InferenceConfig, clis.REPO / "examples" / "coding-agents.yaml").inference
+    assert recipe.max_model_len is not None
+    assert recipe.max_model_len >= max(CODEX_CONTEXT, CLAUDE_CONTEXT)
+    assert CODEX_CONTEXT + recipe.default_max_tokens <= recipe.max_model_len
+    small = load_config(InferenceConfig, clis.REPO / "examples" / "up.yaml").inference
+    assert small.max_model_len is None  # the tiny model's own 4,096 positions
+
+
 async def test_codex_cli_default_agent_runs_through_the_gateway_and_is_captured(
     broker: EmbeddedBroker, tmp_path: Path, codex: Path, hi_model: Path
 ) -> None:
