@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from harnessrl.config import GiB, KiB, MiB, Section, ServiceConfig, ServiceSection
 
@@ -87,6 +87,11 @@ class RewardSection(ServiceSection):
     """The reward: "builtin:answer", "builtin:tests", "entrypoint:<module>:<function>"
     (sync or async Python function taking an Episode) or "grpc:<host>:<port>" (a remote
     Reward service, see protos/harnessrl/v1/reward.proto)."""
+    entrypoint_dir: Path | None = None
+    """Where an entrypoint: module that is not on the Python path is looked for: this
+    directory, else its nearest parent that holds the module's top-level package (which
+    then joins the path). Default: the config file's directory, so
+    entrypoint:examples.calculator.reward:score imports from any working directory."""
     concurrency: int = Field(default=8, ge=1, le=4096)
     """Most episodes scored at once."""
     timeout_s: float = Field(default=600.0, gt=0)
@@ -120,3 +125,17 @@ class RewardConfig(ServiceConfig):
 
     reward: RewardSection = RewardSection()
     """The reward service."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _entrypoint_dir_from_file(cls, data: Any) -> Any:
+        """reward.entrypoint_dir defaults to the config file's directory (load_config binds
+        the file to the class it loads as `yaml_file`)."""
+        config_file = cls.model_config.get("yaml_file")
+        if not isinstance(config_file, str | Path) or not isinstance(data, dict):
+            return data
+        reward = data.get("reward") or {}
+        if not isinstance(reward, dict) or reward.get("entrypoint_dir") is not None:
+            return data
+        directory = Path(config_file).resolve().parent
+        return {**data, "reward": {**reward, "entrypoint_dir": directory}}

@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol
 
 from harnessrl.logs import get_logger
@@ -138,16 +141,14 @@ def _builtin(name: str, section: RewardSection) -> RewardFunction:
     raise ValueError(f"reward.source: unknown builtin {name!r} (answer, tests)")
 
 
-def load_entrypoint(spec: str) -> RewardFunction:
+def load_entrypoint(spec: str, search_from: Path | None = None) -> RewardFunction:
     """The function named by "<module>:<function>" (a dotted attribute path after the
-    colon). Raises ValueError naming what is wrong."""
+    colon), its module imported by `import_module`. Raises ValueError naming what is
+    wrong."""
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise ValueError(f"reward.source: entrypoint:{spec} is not entrypoint:<module>:<function>")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"reward.source: cannot import {module_name!r}: {err}") from err
+    target: Any = import_module(module_name, search_from)
     for part in attribute.split("."):
         target = getattr(target, part, None)
         if target is None:
@@ -158,6 +159,59 @@ def load_entrypoint(spec: str) -> RewardFunction:
     return function
 
 
+def import_module(name: str, search_from: Path | None) -> ModuleType:
+    """Import an entry point's module by the one rule: from the Python path; failing that,
+    when its top-level package is not on the path, from the nearest of `search_from` and
+    its parents that holds that package (`<top>/` or `<top>.py`), which then joins the
+    front of the path. So `examples.calculator.reward` imports from any working directory
+    when the config file sits in the project or below it. Raises ValueError naming the
+    field, the error and every directory looked in."""
+    top = name.partition(".")[0]
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name != top:  # the top-level package is there: the error is inside it
+            raise ValueError(f"reward.source: cannot import {name!r}: {err}") from err
+        missing = err
+    except ImportError as err:
+        raise ValueError(f"reward.source: cannot import {name!r}: {err}") from err
+    found = _holder(top, search_from)
+    if found is None:
+        rule = _rule(top, search_from)
+        raise ValueError(f"reward.source: cannot import {name!r}: {missing}; {rule}") from missing
+    # Global, as any import is: the service loads its reward once, at start.
+    sys.path.insert(0, str(found))
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        raise ValueError(f"reward.source: cannot import {name!r} from {found}: {err}") from err
+
+
+def _holder(top: str, search_from: Path | None) -> Path | None:
+    """The nearest of `search_from` and its parents holding package or module `top`."""
+    if search_from is None:
+        return None
+    start = search_from.resolve()
+    for directory in (start, *start.parents):
+        if (directory / top).is_dir() or (directory / f"{top}.py").is_file():
+            return directory
+    return None
+
+
+def _rule(top: str, search_from: Path | None) -> str:
+    if search_from is None:
+        return (
+            "an entry point's module is imported from the Python path, else from the config "
+            "file's directory (reward.entrypoint_dir) or its nearest parent that holds it, "
+            "and neither is set"
+        )
+    return (
+        "an entry point's module is imported from the Python path, else from the config "
+        f"file's directory (reward.entrypoint_dir) or its nearest parent that holds it: "
+        f"none of {search_from.resolve()} and its parents holds {top}/ or {top}.py"
+    )
+
+
 def make_scorer(section: RewardSection) -> Scorer:
     """The scorer `section.source` names; ValueError (naming the field) when it cannot be
     made."""
@@ -166,7 +220,8 @@ def make_scorer(section: RewardSection) -> Scorer:
     if kind == "builtin":
         return FunctionScorer(section.source, _builtin(rest, section), threads)
     if kind == "entrypoint":
-        return FunctionScorer(section.source, load_entrypoint(rest), threads)
+        function = load_entrypoint(rest, section.entrypoint_dir)
+        return FunctionScorer(section.source, function, threads)
     if kind == "grpc":
         host, _, port = rest.rpartition(":")
         if not host or not port.isdigit():

@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,8 +17,9 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from harnessrl.config import load_config
 from harnessrl.services.reward.answer import AnswerReward, matches
-from harnessrl.services.reward.config import AnswerSettings, RewardSection
+from harnessrl.services.reward.config import AnswerSettings, RewardConfig, RewardSection
 from harnessrl.services.reward.episode import Episode, InvalidScore, Score, to_score
 from harnessrl.services.reward.scoring import CallPolicy, assign
 from harnessrl.services.reward.sources import FunctionScorer, load_entrypoint, make_scorer
@@ -221,6 +225,66 @@ def test_entrypoints_are_loaded_or_refused_with_the_reason() -> None:
         load_entrypoint("json")
     with pytest.raises(ValueError, match="not callable"):
         load_entrypoint("json:__doc__")
+
+
+RESOLVE_FROM_ELSEWHERE = """
+import asyncio, json, sys
+from harnessrl.config import load_config
+from harnessrl.services.reward.config import RewardConfig
+from harnessrl.services.reward.episode import Episode
+from harnessrl.services.reward.sources import make_scorer
+from harnessrl.v1 import events_pb2 as pb
+
+section = load_config(RewardConfig, sys.argv[1]).reward
+scorer = make_scorer(section)
+event = pb.EpisodeFinished(
+    episode_id="g-0", attempt=1, group_id="g", task_id="t", final=True,
+    status=pb.EPISODE_STATUS_SUCCEEDED, result_json=json.dumps({"answer": "It is 42."}),
+    task_metadata_json=json.dumps({"answer": "42", "match": "numeric"}),
+)
+score = asyncio.run(scorer.score(Episode.from_event(event)))
+print(json.dumps({"dir": str(section.entrypoint_dir), "value": score.value}))
+"""
+
+
+def test_an_entrypoint_module_resolves_from_the_config_files_project_in_any_directory(
+    tmp_path: Path,
+) -> None:
+    """`harnessrl up --config /abs/examples/up.yaml` run outside the repository: the
+    calculator reward (entrypoint:examples.calculator.reward:score) is not on the Python
+    path there; it is found from the config file's directory's parent, as the rule says."""
+    config = Path(__file__).resolve().parents[2] / "examples" / "up.yaml"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", RESOLVE_FROM_ELSEWHERE, str(config)],
+        cwd=elsewhere,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"dir": str(config.parent), "value": 1.0}
+
+
+def test_an_entrypoint_module_found_nowhere_is_refused_stating_the_rule(tmp_path: Path) -> None:
+    config = tmp_path / "configs" / "harnessrl.yaml"
+    config.parent.mkdir()
+    config.write_text("reward:\n  source: entrypoint:no_such_rewards.mine:score\n")
+    section = load_config(RewardConfig, config).reward
+    assert section.entrypoint_dir == config.parent
+    with pytest.raises(ValueError) as refused:
+        make_scorer(section)
+    message = str(refused.value)
+    assert message.startswith("reward.source: cannot import 'no_such_rewards.mine'")
+    assert "from the Python path, else from the config file's directory" in message
+    assert f"none of {config.parent} and its parents holds no_such_rewards/" in message
+    # A module that is there but fails inside is its own error, not the rule's.
+    inside = r"cannot import 'json\.nope': No module named 'json\.nope'$"
+    with pytest.raises(ValueError, match=inside):
+        load_entrypoint("json.nope:f", tmp_path)
 
 
 def test_the_source_setting_is_checked() -> None:
