@@ -2,15 +2,21 @@
 
 It implements the `Reward` gRPC service (protos/harnessrl/v1/reward.proto). The harnessrl
 reward service calls `Score` once per finished episode attempt and publishes the answer as
-the episode's reward. The example reward is a keyword-overlap judge for question-answer
-tasks:
+the episode's reward. The example reward judges the harness's answer against the task's
+expected one, as text (a keyword-overlap judge for question-answer tasks) or as a number
+(the calculator example's tasks, `"match": "numeric"`):
 
     result_json         {"answer": "Paris, the French capital"}          (the harness wrote it)
     task_metadata_json  {"answer": "Paris", "keywords": ["paris", "capital"]}  (the task's)
 
-value is 1.0 when the normalised answer equals the expected one, else 0.5 times the fraction
-of keywords present in the answer; an answer longer than MAX_ANSWER_CHARS scores 0 with the
-flag "answer_too_long", so stuffing every keyword into the answer does not pay.
+    result_json         {"answer": "47 times 38 is 1786.", "tools": 1}
+    task_metadata_json  {"answer": "1786", "match": "numeric"}
+
+As text, value is 1.0 when the normalised answer equals the expected one, else 0.5 times the
+fraction of keywords present in the answer. As a number, value is 1.0 when the last number
+the answer states equals the expected one (within NUMERIC_TOLERANCE), else 0. An answer
+longer than MAX_ANSWER_CHARS scores 0 with the flag "answer_too_long", so stuffing every
+keyword (or every number) into the answer does not pay.
 
 The contract a reward server keeps (see reward.proto):
 - deterministic: the same episode always gets the same response, as the caller may retry;
@@ -30,6 +36,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import re
 import signal
 import unicodedata
@@ -41,8 +48,12 @@ from harnessrl.v1 import events_pb2, reward_pb2, reward_pb2_grpc
 
 MAX_ANSWER_CHARS = 1000
 """Longest answer that can score; a longer one scores 0 with the flag "answer_too_long"."""
+NUMERIC_TOLERANCE = 1e-6
+"""Largest difference (absolute, or relative to the expected number) a numeric answer may
+have and still score 1."""
 STOP_GRACE_S = 5.0
 """On SIGTERM or SIGINT, how long calls in progress get to finish before they are cancelled."""
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")  # as examples/calculator/reward.py reads one
 
 log = logging.getLogger("reward_service")
 
@@ -64,7 +75,7 @@ def score(episode: events_pb2.EpisodeFinished) -> reward_pb2.ScoreResponse:
     if episode.status != events_pb2.EPISODE_STATUS_SUCCEEDED:
         status = events_pb2.EpisodeStatus.Name(episode.status)
         return _zero(message=f"episode {status}: {episode.reason or 'no reason given'}")
-    expected, keywords = _task(episode.task_metadata_json)
+    expected, keywords, numeric = _task(episode.task_metadata_json)
     answer = _answer(episode.result_json)
     if answer is None:
         return _zero(flag="no_answer", message="the result has no answer")
@@ -73,6 +84,8 @@ def score(episode: events_pb2.EpisodeFinished) -> reward_pb2.ScoreResponse:
             flag="answer_too_long",
             message=f"answer is {len(answer)} characters, over the limit of {MAX_ANSWER_CHARS}",
         )
+    if numeric:
+        return _score_number(answer, float(expected))
     words = f" {_normalise(answer)} "
     exact = words.strip() == _normalise(expected)
     found = sum(f" {keyword} " in words for keyword in keywords)
@@ -84,17 +97,38 @@ def score(episode: events_pb2.EpisodeFinished) -> reward_pb2.ScoreResponse:
     )
 
 
-def _task(metadata_json: str) -> tuple[str, list[str]]:
-    """The expected answer and the distinct normalised keywords, from the task metadata."""
+def _score_number(answer: str, expected: float) -> reward_pb2.ScoreResponse:
+    """1.0 when the last number `answer` states ("1,786" reads as 1786) is `expected`."""
+    found = _NUMBER.findall(answer.replace(",", ""))
+    if not found:
+        return _zero(flag="no_number", message="the answer states no number")
+    stated = float(found[-1])
+    right = math.isclose(stated, expected, rel_tol=NUMERIC_TOLERANCE, abs_tol=NUMERIC_TOLERANCE)
+    return reward_pb2.ScoreResponse(
+        value=float(right),
+        components={"exact": float(right), "keywords": 0.0},
+        message=f"stated {found[-1]}, expected {expected:g}",
+    )
+
+
+def _task(metadata_json: str) -> tuple[str, list[str], bool]:
+    """The expected answer, the distinct normalised keywords, and whether the answer is
+    judged as a number ("match": "numeric"; else "text", the default), from the task
+    metadata."""
     metadata = _json_object(metadata_json, "task_metadata_json")
     expected = metadata.get("answer")
     if not _is_text(expected) or not _normalise(str(expected)):
         raise BadRequest('task_metadata_json: "answer" must be a non-empty string or a number')
+    match = metadata.get("match", "text")
+    if match not in ("text", "numeric"):
+        raise BadRequest(f'task_metadata_json: "match" must be "text" or "numeric", not {match!r}')
+    if match == "numeric" and not _is_number(expected):
+        raise BadRequest(f'task_metadata_json: "answer" {expected!r} is not a number')
     keywords = metadata.get("keywords", [])
     if not isinstance(keywords, list) or not all(isinstance(k, str) for k in keywords):
         raise BadRequest('task_metadata_json: "keywords" must be a list of strings')
     normalised = (_normalise(k) for k in keywords)
-    return str(expected), list(dict.fromkeys(k for k in normalised if k))
+    return str(expected), list(dict.fromkeys(k for k in normalised if k)), match == "numeric"
 
 
 def _answer(result_json: str) -> str | None:
@@ -118,6 +152,15 @@ def _normalise(text: str) -> str:
 
 def _is_text(value: object) -> bool:
     return isinstance(value, str | int | float) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    if not _is_text(value):
+        return False
+    try:
+        return math.isfinite(float(str(value)))
+    except ValueError:
+        return False
 
 
 def _json_object(text: str, field: str) -> dict[str, Any]:

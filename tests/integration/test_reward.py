@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from examples.calculator.tasks import problems, task_line
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
@@ -253,6 +254,31 @@ async def test_the_example_grpc_reward_service_scores_episodes(
     assert got["i-0"].components["exact"] == 1.0
     assert got["j-0"].value == 0.0 and not got["j-0"].missing
     assert got["k-0"].value == 0.0
+
+
+async def test_the_example_grpc_reward_service_scores_calculator_episodes(
+    broker: EmbeddedBroker, tmp_path: Path, example_server: str
+) -> None:
+    """The custom-reward profile of docker-compose.yml runs the calculator's tasks through
+    this server: a right answer, in the calculator harness's own result shape, must score
+    1 and a wrong one 0, or every group has zero variance and nothing trains."""
+    problem = problems("train", 1, seed=1)[0]
+    metadata = task_line(problem)["metadata"]
+    right = f"{problem.expression} is {problem.answer:,}."
+    items = [
+        finished("c-0", answer=right, metadata=metadata),
+        finished("d-0", answer=f"It is {problem.answer + 1}.", metadata=metadata),
+        finished("e-0", answer="I cannot say.", metadata=metadata),
+    ]
+    for item in items:  # the result the calculator harness writes: answer, calls, tools
+        result = json.loads(item.result_json) | {"calls": 2, "tools": 1}
+        item.result_json = json.dumps(result)
+    async with reward_service(broker, tmp_path, source=f"grpc:{example_server}"):
+        await publish(broker, tmp_path, *items)
+        got = await rewards(broker, 3)
+    assert (got["c-0"].value, got["c-0"].missing) == (1.0, False), got["c-0"].message
+    assert (got["d-0"].value, got["d-0"].missing) == (0.0, False)
+    assert (got["e-0"].value, list(got["e-0"].flags)) == (0.0, ["no_number"])
 
 
 async def test_an_unreachable_grpc_reward_is_retried_then_missing(
