@@ -44,7 +44,7 @@ def register(commands: Any) -> None:
 
 
 def _register_synth(stages: Any) -> None:
-    from harnessrl.apps.swe.synth import SynthSettings
+    from harnessrl.apps.swe.synth_settings import SynthSettings
 
     synth = stages.add_parser(
         "synth",
@@ -150,7 +150,8 @@ def run_synth(args: argparse.Namespace) -> int:
     import orjson
 
     from harnessrl.apps.swe.projects import pinned
-    from harnessrl.apps.swe.synth import SynthSettings, synthesize
+    from harnessrl.apps.swe.synth import synthesize
+    from harnessrl.apps.swe.synth_settings import SynthSettings
 
     try:
         projects = pinned([p.strip() for p in args.projects.split(",")] if args.projects else None)

@@ -30,7 +30,8 @@ from harnessrl.apps.swe.env import run_command
 from harnessrl.apps.swe.holdback import function_of
 from harnessrl.apps.swe.mutate import mutations
 from harnessrl.apps.swe.swebench import parse_task, to_harnessrl
-from harnessrl.apps.swe.synth import SynthSettings, synthesize_one
+from harnessrl.apps.swe.synth import synthesize_one
+from harnessrl.apps.swe.synth_settings import SynthSettings
 from harnessrl.services.reward import config, patch_tests
 from harnessrl.services.reward.episode import Score
 from tests.helpers import eventually

@@ -14,10 +14,12 @@ import orjson
 import pytest
 import yaml
 
+from harnessrl.apps.swe.candidates import code_files
 from harnessrl.apps.swe.projects import Project
 from harnessrl.apps.swe.repository import task_repository, unified_patch
 from harnessrl.apps.swe.swebench import SweTask, parse_task, patch_paths, to_harnessrl
-from harnessrl.apps.swe.synth import SynthSettings, code_files, synthesize
+from harnessrl.apps.swe.synth import synthesize
+from harnessrl.apps.swe.synth_settings import SynthSettings
 from harnessrl.apps.swe.validate import ValidateSettings, validate
 from harnessrl.tasks import TaskLine
 from tests.repo_helpers import coding_episode, git, make_repo
