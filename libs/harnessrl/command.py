@@ -1,17 +1,19 @@
 """What every `harnessrl` subcommand shares, the services' own and the tools': its error
-type, the --config and Kafka options, settings loaded from them, a task file read, a
-progress line."""
+type, the --config and Kafka options, settings loaded from them, a service run, a task file
+read, a progress line."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # the CLI imports pydantic only when a command runs
-    from harnessrl.config import ServiceConfig
+    from harnessrl.config import ServiceConfig, ServiceSection
+    from harnessrl.runtime import Runtime, Service
     from harnessrl.tasks import TaskLine
 
 C = TypeVar("C", bound="ServiceConfig")
@@ -72,6 +74,36 @@ def load(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
         raise CliError(f"invalid configuration: {problems}") from None
     except FileNotFoundError as err:
         raise CliError(str(err)) from None
+
+
+def serve_service(
+    name: str,
+    config: ServiceConfig,
+    section: ServiceSection,
+    build: Callable[[Runtime], Service],
+    **options: bool,
+) -> int:
+    """A service command's body: run the service process (harnessrl.runtime.serve, with its
+    `options`) to its exit code; a setting the service refuses (ValueError while it is
+    built) is a CliError."""
+    from harnessrl.runtime import serve
+
+    try:
+        return serve(name, config, section, build, **options)
+    except ValueError as err:
+        raise CliError(str(err)) from None
+
+
+def module_main(
+    package: str, command: str, register: Callable[[Any], None], argv: list[str] | None
+) -> int:
+    """`python -m <package> [flags]`: the same as `harnessrl <command> [flags]`, whose
+    parser `register` adds; `argv` defaults to the process's arguments."""
+    parser = argparse.ArgumentParser(prog=f"python -m {package}")
+    register(parser.add_subparsers())
+    args = parser.parse_args([command, *(sys.argv[1:] if argv is None else argv)])
+    code: int = args.run(args)
+    return code
 
 
 class Progress:

@@ -7,7 +7,7 @@ import asyncio
 import sys
 from typing import Any
 
-from harnessrl.command import CliError, add_kafka_options, load
+from harnessrl.command import CliError, add_kafka_options, load, module_main, serve_service
 
 
 def register(commands: Any) -> None:
@@ -36,21 +36,14 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harnessrl.runtime import serve
     from harnessrl.services.controller.config import ControllerConfig
     from harnessrl.services.controller.service import ControllerService
 
     flags = {"gateway_url": args.gateway, "runner": args.runner}
     config = load(ControllerConfig, args, controller={k: v for k, v in flags.items() if v})
-    try:
-        return serve(
-            "controller",
-            config,
-            config.controller,
-            lambda runtime: ControllerService(config, runtime),
-        )
-    except ValueError as err:
-        raise CliError(str(err)) from None
+    return serve_service(
+        "controller", config, config.controller, lambda rt: ControllerService(config, rt)
+    )
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -69,8 +62,4 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harnessrl.services.controller")
-    register(parser.add_subparsers())
-    args = parser.parse_args(["controller", *(sys.argv[1:] if argv is None else argv)])
-    code: int = args.run(args)
-    return code
+    return module_main("harnessrl.services.controller", "controller", register, argv)

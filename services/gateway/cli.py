@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from harnessrl.command import CliError, add_kafka_options, load
+from harnessrl.command import add_kafka_options, load, module_main, serve_service
 
 
 def register(commands: Any) -> None:
@@ -36,7 +35,6 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harnessrl.runtime import serve
     from harnessrl.services.gateway.config import GatewayConfig
     from harnessrl.services.gateway.service import GatewayService
 
@@ -47,22 +45,15 @@ def run(args: argparse.Namespace) -> int:
         "engines": args.engine,
     }
     config = load(GatewayConfig, args, gateway={k: v for k, v in flags.items() if v is not None})
-    try:
-        return serve(
-            "gateway",
-            config,
-            config.gateway,
-            lambda runtime: GatewayService(config, runtime),
-            health_endpoint=False,
-            fast_loop=True,
-        )
-    except ValueError as err:
-        raise CliError(str(err)) from None
+    return serve_service(
+        "gateway",
+        config,
+        config.gateway,
+        lambda rt: GatewayService(config, rt),
+        health_endpoint=False,
+        fast_loop=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harnessrl.services.gateway")
-    register(parser.add_subparsers())
-    args = parser.parse_args(["gateway", *(sys.argv[1:] if argv is None else argv)])
-    code: int = args.run(args)
-    return code
+    return module_main("harnessrl.services.gateway", "gateway", register, argv)

@@ -9,12 +9,13 @@ from typing import Any
 import orjson
 
 from harnessrl import events
-from harnessrl.bus import BusMetrics, Consumer, Context, Producer, Record, ensure_topics
+from harnessrl.bus import Context
 from harnessrl.bus.snapshot import read_to_end
 from harnessrl.http import HttpServer, Response
 from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, retry
 from harnessrl.runtime import Runtime
+from harnessrl.service_bus import EventHandler, ServiceBus, Subscription
 from harnessrl.services.gateway.admin import Admin
 from harnessrl.services.gateway.app import AdminApp, GatewayApp, dialects
 from harnessrl.services.gateway.budget import Budget, context_of
@@ -56,7 +57,12 @@ class GatewayService:
         """The harness port's request handler, once serving."""
         self.admin_server: HttpServer | None = None
         """The admin port's server, when `gateway.admin_port` is set."""
-        self._producer: Producer | None = None
+        producer_settings = config.producer
+        if section.capture_wal:
+            producer_settings = producer_settings.model_copy(update={"wal": True})
+        self._bus = ServiceBus(
+            config, runtime, tracer="harnessrl.gateway", producer_settings=producer_settings
+        )
         self._tasks: list[asyncio.Task[Any]] = []
         self.gate = Gate(hold_s=section.pause_hold_s, retry_after_s=section.pause_retry_after_s)
         self.book = EpisodeBook()
@@ -80,26 +86,10 @@ class GatewayService:
         return self.admin_server.port if self.admin_server is not None else self.port
 
     async def run(self) -> None:
-        config, section, runtime = self._config, self._config.gateway, self._runtime
-        assert section.token_secret is not None and section.admin_token is not None
-        metrics = GatewayMetrics(runtime.registry)
-        metrics.track(
-            lambda: len(self.book), lambda: self.book.in_flight, lambda: float(self.gate.paused)
-        )
-        bus_metrics = BusMetrics(runtime.registry)
-        runtime.registry.register(
-            ServerBudgets(lambda: {"harness": self.server, "admin": self.admin_server})
-        )
+        section = self._config.gateway
+        metrics = self._metrics()
         async with AsyncExitStack() as stack:
-            producer_settings = config.producer
-            if section.capture_wal:
-                producer_settings = producer_settings.model_copy(update={"wal": True})
-            producer = Producer(
-                config.kafka, producer_settings, name=runtime.producer_name, metrics=bus_metrics
-            )
-            await producer.start()
-            stack.push_async_callback(producer.stop)
-            self._producer = producer
+            await self._bus.start(stack)
             self.book.recovering()
             self.recovery.pause("recovering episodes")
             pool = EnginePool(
@@ -109,73 +99,11 @@ class GatewayService:
             )
             stack.push_async_callback(pool.close)
             engine_model, listing = await self._discover(pool)
-            context = section.max_model_len
-            if context is None and listing is not None:
-                context = context_of(orjson.dumps(listing))
-            lifecycle = Lifecycle(
-                section,
-                admission=CallAdmission(self.book, self.gate, self.recovery),
-                engines=Engines(pool, model=engine_model, versions=self.versions),
-                budget=Budget(
-                    pool, policy=section.max_tokens_policy, context=context, metrics=metrics
-                ),
-                producer=producer,
-                metrics=metrics,
-                tracer=runtime.tracer_provider.get_tracer("harnessrl.gateway"),
-            )
-            admin = Admin(
-                token=section.admin_token.get_secret_value().encode(),
-                book=self.book,
-                gate=self.gate,
-                producer=producer,
-                metrics=metrics,
-                replica=section.replica,
-                status=lambda: {
-                    "replica": section.replica,
-                    "engines": section.engines,
-                    "engine_model": engine_model,
-                    "engine_versions": dict(self.versions.snapshot()),
-                },
-            )
-            secrets = [
-                s.get_secret_value().encode()
-                for s in [section.token_secret, *section.previous_token_secrets]
-            ]
-            separate = section.admin_port is not None
-            drop = section.unserved_tools == "drop"
-
-            def dropped(kind: str) -> None:
-                metrics.tools_dropped(kind[:64]).inc()
-
-            responses = ResponsesDialect(self.responses, drop_unserved=drop, on_dropped=dropped)
-            app = GatewayApp(
-                lifecycle,
-                None if separate else admin,
-                dialects=dialects(
-                    responses, MessagesDialect(drop_unserved=drop, on_dropped=dropped)
-                ),
-                responses=responses,
-                models=Models(engine_model, listing),
-                secrets=secrets,
-                registry=runtime.registry,
-                health=self.health,
-                max_depth=section.max_json_depth,
-                replica=section.replica,
-            )
-            self.app = app
-            self.server = await self._serve(app, section.host, section.port, stack)
-            if separate:
-                self.admin_server = await self._serve(
-                    AdminApp(admin, registry=runtime.registry, health=self.health),
-                    section.admin_host or section.host,
-                    section.admin_port or 0,
-                    stack,
-                )
-            self._background(self._topics(), "topics")
-            recovering = asyncio.create_task(self._recover(producer), name="recover")
-            self._tasks.append(recovering)
-            self._background(self._sweep(admin), "sweep")
-            self._follow_policy(producer, bus_metrics, stack)
+            lifecycle = self._lifecycle(pool, engine_model, listing, metrics)
+            admin = self._admin(engine_model, metrics)
+            app = self._app(lifecycle, admin, engine_model, listing, metrics)
+            await self._listen(app, admin, stack)
+            recovering = self._start_background(admin, stack)
             log.info(
                 "gateway serving",
                 port=self.port,
@@ -183,15 +111,135 @@ class GatewayService:
                 engines=section.engines,
                 engine_model=engine_model,
             )
-            stopping = asyncio.create_task(self._stopping.wait())
-            await asyncio.wait([recovering, stopping], return_when=asyncio.FIRST_COMPLETED)
-            if recovering.done():
-                recovering.result()  # its error, if any
-                self.ready.set()
-            await stopping
-            for task in self._tasks:
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._until_stopped(recovering)
+
+    def _metrics(self) -> GatewayMetrics:
+        """The gateway's metrics, with its gauges of open episodes, calls in flight, the
+        pause and the servers' buffer budgets."""
+        registry = self._runtime.registry
+        metrics = GatewayMetrics(registry)
+        metrics.track(
+            lambda: len(self.book), lambda: self.book.in_flight, lambda: float(self.gate.paused)
+        )
+        registry.register(
+            ServerBudgets(lambda: {"harness": self.server, "admin": self.admin_server})
+        )
+        return metrics
+
+    def _lifecycle(
+        self,
+        pool: EnginePool,
+        engine_model: str,
+        listing: dict[str, Any] | None,
+        metrics: GatewayMetrics,
+    ) -> Lifecycle:
+        """The one call lifecycle: admission, budget, forwarding to `pool`, capture."""
+        section = self._config.gateway
+        context = section.max_model_len
+        if context is None and listing is not None:
+            context = context_of(orjson.dumps(listing))
+        return Lifecycle(
+            section,
+            admission=CallAdmission(self.book, self.gate, self.recovery),
+            engines=Engines(pool, model=engine_model, versions=self.versions),
+            budget=Budget(pool, policy=section.max_tokens_policy, context=context, metrics=metrics),
+            producer=self._bus.producer,
+            metrics=metrics,
+            tracer=self._bus.tracer,
+        )
+
+    def _admin(self, engine_model: str, metrics: GatewayMetrics) -> Admin:
+        """The admin routes (episode closes, pause and resume, status)."""
+        section = self._config.gateway
+        assert section.admin_token is not None  # checked in __init__
+        return Admin(
+            token=section.admin_token.get_secret_value().encode(),
+            book=self.book,
+            gate=self.gate,
+            producer=self._bus.producer,
+            metrics=metrics,
+            replica=section.replica,
+            status=lambda: {
+                "replica": section.replica,
+                "engines": section.engines,
+                "engine_model": engine_model,
+                "engine_versions": dict(self.versions.snapshot()),
+            },
+        )
+
+    def _app(
+        self,
+        lifecycle: Lifecycle,
+        admin: Admin,
+        engine_model: str,
+        listing: dict[str, Any] | None,
+        metrics: GatewayMetrics,
+    ) -> GatewayApp:
+        """The harness port's handler: every dialect, and the admin routes unless they have
+        a port of their own."""
+        section = self._config.gateway
+        assert section.token_secret is not None  # checked in __init__
+        secrets = [
+            s.get_secret_value().encode()
+            for s in [section.token_secret, *section.previous_token_secrets]
+        ]
+        drop = section.unserved_tools == "drop"
+
+        def dropped(kind: str) -> None:
+            metrics.tools_dropped(kind[:64]).inc()
+
+        responses = ResponsesDialect(self.responses, drop_unserved=drop, on_dropped=dropped)
+        return GatewayApp(
+            lifecycle,
+            None if section.admin_port is not None else admin,
+            dialects=dialects(responses, MessagesDialect(drop_unserved=drop, on_dropped=dropped)),
+            responses=responses,
+            models=Models(engine_model, listing),
+            secrets=secrets,
+            registry=self._runtime.registry,
+            health=self.health,
+            max_depth=section.max_json_depth,
+            replica=section.replica,
+        )
+
+    async def _listen(self, app: GatewayApp, admin: Admin, stack: AsyncExitStack) -> None:
+        """Serve `app` on the harness port, and `admin` on the admin port when it is set."""
+        section = self._config.gateway
+        self.app = app
+        self.server = await self._serve(app, section.host, section.port, stack)
+        if section.admin_port is not None:
+            admin_app = AdminApp(admin, registry=self._runtime.registry, health=self.health)
+            host = section.admin_host or section.host
+            self.admin_server = await self._serve(admin_app, host, section.admin_port, stack)
+
+    def _start_background(self, admin: Admin, stack: AsyncExitStack) -> asyncio.Task[None]:
+        """Start what runs beside the servers: topic creation, recovery (returned), the
+        sweep and following hrl.policy."""
+        self._background(self._bus.create_topics([events.CALLS, events.POLICY]), "topics")
+        recovering = asyncio.create_task(self._recover(), name="recover")
+        self._tasks.append(recovering)
+        self._background(self._sweep(admin), "sweep")
+        handlers: dict[type[Any], EventHandler] = {pb.PolicyLoaded: self._on_loaded}
+        if self._config.gateway.follow_control:
+            handlers[pb.ControlCommand] = self._on_command
+        group = f"harnessrl.gateway.{self._config.instance}"
+        # hrl.policy is followed once the engines' versions are read back from all of it,
+        # so that a restarted gateway knows what each engine serves.
+        self._bus.consume(stack, Subscription(group, handlers), before=self._rebuild_versions)
+        return recovering
+
+    async def _until_stopped(self, recovering: asyncio.Task[None]) -> None:
+        """Ready once recovered (its error raised); then wait for stop() and end the
+        background tasks."""
+        stopping = asyncio.create_task(self._stopping.wait())
+        await asyncio.wait([recovering, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if recovering.done():
+            recovering.result()  # its error, if any
+            self.ready.set()
+        await stopping
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def stop(self) -> None:
         self._stopping.set()
@@ -220,7 +268,7 @@ class GatewayService:
             "serving": self.server is not None
             and (self._config.gateway.admin_port is None or self.admin_server is not None),
             "recovered": not self.recovery.paused,
-            "producer": self._producer is not None and self._producer.healthy,
+            "producer": self._bus.healthy,
         }
 
     def _background(self, coroutine: Any, name: str) -> None:
@@ -243,16 +291,10 @@ class GatewayService:
         listing = orjson.loads(body)
         return str(listing["data"][0]["id"]), listing
 
-    async def _topics(self) -> None:
-        if self._config.kafka.create_topics:
-            await ensure_topics(
-                self._config.kafka, [events.CALLS, events.POLICY], max_attempts=10**6
-            )
-
-    async def _recover(self, producer: Producer) -> None:
+    async def _recover(self) -> None:
         state = await recover(
             self._config.kafka,
-            producer,
+            self._bus.producer,
             window_s=self._config.gateway.recovery_window_s,
             client_id=f"{self._runtime.producer_name}/recover",
             replica=self._config.gateway.replica,
@@ -267,62 +309,34 @@ class GatewayService:
             self.responses.sweep()
             admin.sweep()
 
-    def _follow_policy(
-        self, producer: Producer, metrics: BusMetrics, stack: AsyncExitStack
-    ) -> None:
-        """Follow hrl.policy in the background: ControlCommands (with gateway.follow_control)
-        and PolicyLoaded events, whose versions are first read back from the whole topic so
-        that a restarted gateway knows what each engine serves."""
-        consumer = Consumer(
-            self._config.kafka,
-            self._config.consumer,
-            topics=[events.POLICY],
-            group_id=f"harnessrl.gateway.{self._config.instance}",
-            handler=self._on_policy,
-            producer=producer,
-            metrics=metrics,
-        )
-        rebuilt = asyncio.Event()  # from here on, stop the consumer gracefully
-
-        async def follow() -> None:
-            await retry(self._rebuild_versions, backoff=Backoff(0.5, 5.0), max_attempts=10**6)
-            rebuilt.set()
-            await consumer.run()
-
-        task = asyncio.create_task(follow(), name="policy")
-
-        async def stop() -> None:
-            await consumer.stop()
-            if not rebuilt.is_set():
-                task.cancel()  # still waiting for the broker: nothing in flight
-            await asyncio.gather(task, return_exceptions=True)
-
-        stack.push_async_callback(stop)
-
     async def _rebuild_versions(self) -> None:
-        async for _, event, _ in read_to_end(
-            self._config.kafka, events.POLICY, client_id=f"{self._runtime.producer_name}/versions"
-        ):
-            if isinstance(event, pb.PolicyLoaded):
-                self.versions.loaded(event)
+        async def read() -> None:
+            async for _, event, _ in read_to_end(
+                self._config.kafka,
+                events.POLICY,
+                client_id=f"{self._runtime.producer_name}/versions",
+            ):
+                if isinstance(event, pb.PolicyLoaded):
+                    self.versions.loaded(event)
+
+        await retry(read, backoff=Backoff(0.5, 5.0), max_attempts=10**6)
         log.info("engine versions read", versions=dict(self.versions.snapshot()))
 
-    async def _on_policy(self, record: Record, ctx: Context) -> None:
-        event = record.event
-        if isinstance(event, pb.PolicyLoaded):
-            if self.versions.loaded(event):
-                log.info("engine version loaded", engine=event.engine, version=event.version)
-        elif isinstance(event, pb.ControlCommand) and self._config.gateway.follow_control:
-            command = event
-            if command.action == pb.CONTROL_ACTION_PAUSE:
-                self.gate.pause(command.reason or "control command")
-            elif command.action == pb.CONTROL_ACTION_RESUME:
-                self.gate.resume()
-            log.info(
-                "control command applied",
-                action=pb.ControlAction.Name(command.action),
-                paused=self.gate.paused,
-            )
+    async def _on_loaded(self, event: pb.PolicyLoaded, ctx: Context) -> None:
+        if self.versions.loaded(event):
+            log.info("engine version loaded", engine=event.engine, version=event.version)
+
+    async def _on_command(self, command: pb.ControlCommand, ctx: Context) -> None:
+        """With gateway.follow_control: pause or resume new calls."""
+        if command.action == pb.CONTROL_ACTION_PAUSE:
+            self.gate.pause(command.reason or "control command")
+        elif command.action == pb.CONTROL_ACTION_RESUME:
+            self.gate.resume()
+        log.info(
+            "control command applied",
+            action=pb.ControlAction.Name(command.action),
+            paused=self.gate.paused,
+        )
 
 
 def _error_response(status: int, message: str, path: str = "") -> Response:

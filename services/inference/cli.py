@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
-from harnessrl.command import CliError, add_kafka_options, load
+from harnessrl.command import CliError, add_kafka_options, load, module_main, serve_service
 
 
 def register(commands: Any) -> None:
@@ -42,7 +41,6 @@ def _register_inference(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harnessrl.runtime import serve
     from harnessrl.services.inference.config import InferenceConfig
     from harnessrl.services.inference.service import InferenceService
 
@@ -64,11 +62,11 @@ def run(args: argparse.Namespace) -> int:
         from harnessrl.weights import tune_malloc
 
         tune_malloc()  # process-wide; big weight pulls run ~2x faster (harnessrl.weights.allocator)
-    return serve(
+    return serve_service(
         "inference",
         config,
         config.inference,
-        lambda runtime: InferenceService(config, runtime),
+        lambda rt: InferenceService(config, rt),
         health_endpoint=False,
     )
 
@@ -103,7 +101,6 @@ def _register_vllm_sync(commands: Any) -> None:
 
 
 def run_vllm_sync(args: argparse.Namespace) -> int:
-    from harnessrl.runtime import serve
     from harnessrl.services.inference.config import VllmSyncConfig
     from harnessrl.services.inference.vllm_sync import VllmSyncService
 
@@ -120,17 +117,10 @@ def run_vllm_sync(args: argparse.Namespace) -> int:
             "--vllm-url (vllm_sync.vllm_url, HARNESSRL_VLLM_SYNC__VLLM_URL) is required: "
             "the root URL of the vLLM server, e.g. http://vllm:8100"
         )
-    return serve(
-        "vllm-sync",
-        config,
-        config.vllm_sync,
-        lambda runtime: VllmSyncService(config, runtime),
+    return serve_service(
+        "vllm-sync", config, config.vllm_sync, lambda rt: VllmSyncService(config, rt)
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harnessrl.services.inference")
-    register(parser.add_subparsers())
-    args = parser.parse_args(["inference", *(sys.argv[1:] if argv is None else argv)])
-    code: int = args.run(args)
-    return code
+    return module_main("harnessrl.services.inference", "inference", register, argv)

@@ -36,11 +36,12 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 from harnessrl import events
-from harnessrl.bus import BusMetrics, Consumer, Context, Producer, Record, ensure_topics
+from harnessrl.bus import Consumer, Context
 from harnessrl.bus.snapshot import read_to_end
 from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, is_retryable, retry
 from harnessrl.runtime import Runtime
+from harnessrl.service_bus import ServiceBus, Subscription
 from harnessrl.services.inference.config import VllmSyncConfig
 from harnessrl.services.inference.follower import PolicyFollower, weightsync_puller
 from harnessrl.services.inference.vllm_lora import VllmLoraServer
@@ -124,33 +125,18 @@ class VllmSyncService:
         )
         self._lock = asyncio.Lock()  # one swap or check at a time
         self._stopping = asyncio.Event()
-        self._producer: Producer | None = None
+        self._bus = ServiceBus(config, runtime, tracer="harnessrl.vllm_sync")
         self._tasks: list[asyncio.Task[None]] = []
         self._reachable = False
         self.ready = asyncio.Event()
         """Set once vLLM answered and hrl.policy is being followed."""
 
     async def run(self) -> None:
-        config, runtime = self._config, self._runtime
-        metrics = BusMetrics(runtime.registry)
         async with AsyncExitStack() as stack:
-            producer = Producer(
-                config.kafka, config.producer, name=runtime.producer_name, metrics=metrics
-            )
-            await producer.start()
-            stack.push_async_callback(producer.stop)
-            self._producer = producer
+            await self._bus.start(stack)
             # Every vLLM server must see every version: a consumer group of its own.
-            consumer = Consumer(
-                config.kafka,
-                config.consumer,
-                topics=[events.POLICY],
-                group_id=f"harnessrl.vllm-sync.{config.instance}",
-                handler=self._on_policy,
-                producer=producer,
-                metrics=metrics,
-                tracer=runtime.tracer_provider.get_tracer("harnessrl.vllm_sync"),
-            )
+            group = f"harnessrl.vllm-sync.{self._config.instance}"
+            consumer = self._bus.consumer(Subscription(group, {pb.PolicyVersion: self._on_version}))
             checked = asyncio.Event()
             watch = asyncio.create_task(self._watch(checked), name="vllm-watch")
             follow = asyncio.create_task(self._follow(consumer, checked), name="policy-follow")
@@ -177,16 +163,14 @@ class VllmSyncService:
 
     def health(self) -> dict[str, bool]:
         return {
-            "producer": self._producer is not None and self._producer.healthy,
+            "producer": self._bus.healthy,
             "vllm_reachable": self._reachable,
             "following": bool(self._tasks) and not any(t.done() for t in self._tasks),
         }
 
     async def _follow(self, consumer: Consumer, checked: asyncio.Event) -> None:
         """Rebuild the book from hrl.policy, wait for vLLM's first answer, then consume."""
-        kafka = self._config.kafka
-        if kafka.create_topics:
-            await ensure_topics(kafka, [events.POLICY], max_attempts=10**6)
+        await self._bus.create_topics([events.POLICY])
         await retry(self._rebuild, backoff=Backoff(0.5, 5.0), max_attempts=10**6)
         await checked.wait()
         async with self._lock:
@@ -214,10 +198,7 @@ class VllmSyncService:
             elif isinstance(event, pb.PolicyLoaded) and event.engine == self.engine_name:
                 self.book.outcome(event.version, event.ok)
 
-    async def _on_policy(self, record: Record, ctx: Context) -> None:
-        event = record.event
-        if not isinstance(event, pb.PolicyVersion):
-            return
+    async def _on_version(self, event: pb.PolicyVersion, ctx: Context) -> None:
         async with self._lock:  # announced and applied at once: the check never races it
             self.book.announced(event)
             loaded = await self._apply(event)
@@ -244,8 +225,8 @@ class VllmSyncService:
             version=target.version,
         )
         loaded = await self._apply(target)
-        if loaded is not None and self._producer is not None:
-            self._producer.publish(loaded).add_done_callback(_log_refused)
+        if loaded is not None:
+            self._bus.producer.publish(loaded).add_done_callback(_log_refused)
 
     async def _watch(self, checked: asyncio.Event) -> None:
         """Check vLLM's served version every check_interval_s, and catch it up once

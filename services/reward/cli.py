@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from harnessrl.command import CliError, add_kafka_options, load
+from harnessrl.command import add_kafka_options, load, module_main, serve_service
 
 
 def register(commands: Any) -> None:
@@ -27,21 +26,13 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harnessrl.runtime import serve
     from harnessrl.services.reward.config import RewardConfig
     from harnessrl.services.reward.service import RewardService
 
     flags = {"source": args.source}
     config = load(RewardConfig, args, reward={k: v for k, v in flags.items() if v})
-    try:
-        return serve("reward", config, config.reward, lambda rt: RewardService(config, rt))
-    except ValueError as err:
-        raise CliError(str(err)) from None
+    return serve_service("reward", config, config.reward, lambda rt: RewardService(config, rt))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harnessrl.services.reward")
-    register(parser.add_subparsers())
-    args = parser.parse_args(["reward", *(sys.argv[1:] if argv is None else argv)])
-    code: int = args.run(args)
-    return code
+    return module_main("harnessrl.services.reward", "reward", register, argv)

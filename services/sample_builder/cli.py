@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from harnessrl.command import CliError, add_kafka_options, load
+from harnessrl.command import add_kafka_options, load, module_main, serve_service
 
 
 def register(commands: Any) -> None:
@@ -26,26 +25,15 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harnessrl.runtime import serve
     from harnessrl.services.sample_builder.config import SampleBuilderConfig
     from harnessrl.services.sample_builder.service import SampleBuilderService
 
     flags = {"estimator": args.estimator, "tokenizer": args.tokenizer}
     config = load(SampleBuilderConfig, args, sample_builder={k: v for k, v in flags.items() if v})
-    try:
-        return serve(
-            "sample-builder",
-            config,
-            config.sample_builder,
-            lambda rt: SampleBuilderService(config, rt),
-        )
-    except ValueError as err:
-        raise CliError(str(err)) from None
+    return serve_service(
+        "sample-builder", config, config.sample_builder, lambda rt: SampleBuilderService(config, rt)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harnessrl.services.sample_builder")
-    register(parser.add_subparsers())
-    args = parser.parse_args(["sample-builder", *(sys.argv[1:] if argv is None else argv)])
-    code: int = args.run(args)
-    return code
+    return module_main("harnessrl.services.sample_builder", "sample-builder", register, argv)

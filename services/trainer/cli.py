@@ -13,7 +13,14 @@ import signal
 import sys
 from typing import Any
 
-from harnessrl.command import CliError, add_config_option, add_kafka_options, load
+from harnessrl.command import (
+    CliError,
+    add_config_option,
+    add_kafka_options,
+    load,
+    module_main,
+    serve_service,
+)
 
 
 def register(commands: Any) -> None:
@@ -138,12 +145,7 @@ def run(args: argparse.Namespace) -> int:
     config = load(TrainerConfig, args, trainer={k: v for k, v in flags.items() if v})
     if int(os.environ.get("RANK", "0")) != 0:
         return _follow(config)
-    from harnessrl.runtime import serve
-
-    try:
-        return serve("trainer", config, config.trainer, lambda rt: _service(config, rt))
-    except ValueError as err:
-        raise CliError(str(err)) from None
+    return serve_service("trainer", config, config.trainer, lambda rt: _service(config, rt))
 
 
 def _service(config: Any, runtime: Any) -> Any:
@@ -179,8 +181,4 @@ def _follow(config: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harnessrl.services.trainer")
-    register(parser.add_subparsers())
-    args = parser.parse_args(["trainer", *(sys.argv[1:] if argv is None else argv)])
-    code: int = args.run(args)
-    return code
+    return module_main("harnessrl.services.trainer", "trainer", register, argv)
