@@ -73,7 +73,14 @@ def run(args: argparse.Namespace) -> int:
     def out(text: str) -> None:
         print(text, flush=True)
 
+    args.workdir = args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.config is not None:
+        args.config = args.config.resolve()
+        home = project_dir(args.config, Path.cwd())
+        if home != Path.cwd():
+            out(f"up: the relative paths in {args.config} resolve from {home}; running there")
+            os.chdir(home)
     try:
         return asyncio.run(
             run_stack(
@@ -93,3 +100,47 @@ def run(args: argparse.Namespace) -> int:
             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()
         )
         raise CliError(f"invalid configuration: {problems}") from None
+
+
+def project_dir(config: Path, cwd: Path) -> Path:
+    """The directory a config's relative paths resolve from: the working directory, unless
+    the config file's own directory or one of its parents holds more of the relative paths
+    it names (the model, the tokenizer, the harness's script, ...); then the nearest such.
+    So `harnessrl up --config /repo/examples/up.yaml` works from anywhere, and a config that
+    names paths relative to where it is run keeps working there."""
+    import yaml
+
+    try:
+        settings = yaml.safe_load(config.read_text())
+    except (OSError, yaml.YAMLError):
+        return cwd  # the config's own loading says what is wrong with it
+    named = [s for s in _strings(settings) if _maybe_relative_path(s)]
+
+    def held(directory: Path) -> int:
+        return sum((directory / s).exists() for s in named)
+
+    best, most = cwd, held(cwd)
+    for directory in (config.parent, *config.parent.parents):
+        if (count := held(directory)) > most:
+            best, most = directory, count
+    return best
+
+
+def _strings(value: object) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _maybe_relative_path(text: str) -> bool:
+    return (
+        "/" in text
+        and "://" not in text
+        and not text.startswith(("/", "~"))
+        and "\n" not in text
+        and len(text) < 512
+    )
