@@ -55,6 +55,12 @@ class Runtime:
     def producer_name(self) -> str:
         return f"{self.name}/{self.instance}"
 
+    @property
+    def tracer(self) -> trace.Tracer:
+        """The service's own tracer, `harnessrl.<name>` ("sample-builder" as
+        "harnessrl.sample_builder")."""
+        return self.tracer_provider.get_tracer(f"harnessrl.{self.name.replace('-', '_')}")
+
 
 def serve(
     name: str,

@@ -5,7 +5,7 @@ per event type, `{pb.EpisodeFinished: self._on_finished}`. The topics follow fro
 types (harnessrl.events), and each record is handed to the handler of its event's type,
 typed; events of other types on those topics are skipped (their records still commit).
 
-    bus = ServiceBus(config, runtime, tracer="harnessrl.reward")
+    bus = ServiceBus(config, runtime)
     async with AsyncExitStack() as stack:
         await bus.start(stack, topics=[events.EPISODES, events.REWARDS])
         bus.consume(stack, Subscription("harnessrl.reward", {pb.EpisodeFinished: on_finished}))
@@ -31,7 +31,7 @@ from harnessrl.bus.consumer import Consumer, Context, Handler, PartitionHook, Re
 from harnessrl.bus.kafka import ensure_topics
 from harnessrl.bus.metrics import BusMetrics
 from harnessrl.bus.producer import Producer
-from harnessrl.config import ProducerSettings, ServiceConfig
+from harnessrl.config import ServiceConfig
 from harnessrl.runtime import Runtime
 
 EventHandler = Callable[[Any, Context], Awaitable[None]]
@@ -102,21 +102,17 @@ class Consuming:
 
 class ServiceBus:
     """One service's producer (`runtime.producer_name`) and consumers, sharing its bus
-    metrics and tracer, started on the service's exit stack and stopped with it."""
+    metrics and tracer, started on the service's exit stack and stopped with it. `wal`
+    sends every record through the spill log first (producer.wal), whatever the settings."""
 
-    def __init__(
-        self,
-        config: ServiceConfig,
-        runtime: Runtime,
-        *,
-        tracer: str,
-        producer_settings: ProducerSettings | None = None,
-    ) -> None:
+    def __init__(self, config: ServiceConfig, runtime: Runtime, *, wal: bool = False) -> None:
         self._config = config
         self._runtime = runtime
-        self._producer_settings = producer_settings or config.producer
+        self._producer_settings = config.producer
+        if wal:
+            self._producer_settings = config.producer.model_copy(update={"wal": True})
         self.metrics = BusMetrics(runtime.registry)
-        self.tracer = runtime.tracer_provider.get_tracer(tracer)
+        self._tracer = runtime.tracer
         self._producer: Producer | None = None
 
     @property
@@ -163,7 +159,7 @@ class ServiceBus:
             handler=dispatch(subscription.handlers),
             producer=self.producer,
             metrics=self.metrics,
-            tracer=self.tracer,
+            tracer=self._tracer,
             on_revoked=subscription.on_revoked,
             co_partitioned=subscription.co_partitioned,
         )

@@ -72,7 +72,7 @@ class ControllerService:
         self._groups: dict[str, list[asyncio.Task[None]]] = {}
         self._ledger = EpisodeLedger()
         self._episodes: EpisodeRunner | None = None
-        self._bus = ServiceBus(config, runtime, tracer="harnessrl.controller")
+        self._bus = ServiceBus(config, runtime)
         self.metrics = ControllerMetrics(runtime.registry)
         self.ready = asyncio.Event()
         self.admission: EpisodeAdmission | None = None
@@ -108,7 +108,7 @@ class ControllerService:
                 producer=producer,
                 admission=admission,
                 gateways=gateways,
-                tracer=self._bus.tracer,
+                tracer=self._runtime.tracer,
                 recovered=recovered,
                 metrics=self.metrics,
             )

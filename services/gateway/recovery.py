@@ -20,6 +20,7 @@ from harnessrl.config import KafkaSettings
 from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, retry
 from harnessrl.services.gateway.open_episodes import Key, Restored
+from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)
 
@@ -43,17 +44,15 @@ async def recover(
     async def scan() -> dict[Key, Restored]:
         calls: dict[Key, int] = {}
         closed: dict[Key, int] = {}
-        async for kind, event, _ in read_to_end(
+        async for _, event, _ in read_to_end(
             kafka, events.CALLS, client_id=client_id, since_ms=since_ms
         ):
-            if event.gateway != replica:  # type: ignore[attr-defined]
-                continue  # another replica's episode: it recovers it
-            if kind == "model_call":
-                key = (event.episode_id, event.attempt)  # type: ignore[attr-defined]
-                calls[key] = max(calls.get(key, 0), event.seq + 1)  # type: ignore[attr-defined]
-            elif kind == "episode_closed":
-                key = (event.episode_id, event.attempt)  # type: ignore[attr-defined]
-                closed[key] = event.call_count  # type: ignore[attr-defined]
+            # Another replica's episode is skipped: that replica recovers it.
+            if isinstance(event, pb.ModelCall) and event.gateway == replica:
+                key = (event.episode_id, event.attempt)
+                calls[key] = max(calls.get(key, 0), event.seq + 1)
+            elif isinstance(event, pb.EpisodeClosed) and event.gateway == replica:
+                closed[(event.episode_id, event.attempt)] = event.call_count
         return {
             key: Restored(max(calls.get(key, 0), closed.get(key, 0)), closed.get(key))
             for key in calls.keys() | closed.keys()

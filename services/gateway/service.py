@@ -57,12 +57,7 @@ class GatewayService:
         """The harness port's request handler, once serving."""
         self.admin_server: HttpServer | None = None
         """The admin port's server, when `gateway.admin_port` is set."""
-        producer_settings = config.producer
-        if section.capture_wal:
-            producer_settings = producer_settings.model_copy(update={"wal": True})
-        self._bus = ServiceBus(
-            config, runtime, tracer="harnessrl.gateway", producer_settings=producer_settings
-        )
+        self._bus = ServiceBus(config, runtime, wal=section.capture_wal)
         self._tasks: list[asyncio.Task[Any]] = []
         self.gate = Gate(hold_s=section.pause_hold_s, retry_after_s=section.pause_retry_after_s)
         self.book = EpisodeBook()
@@ -145,7 +140,7 @@ class GatewayService:
             budget=Budget(pool, policy=section.max_tokens_policy, context=context, metrics=metrics),
             producer=self._bus.producer,
             metrics=metrics,
-            tracer=self._bus.tracer,
+            tracer=self._runtime.tracer,
         )
 
     def _admin(self, engine_model: str, metrics: GatewayMetrics) -> Admin:

@@ -111,7 +111,7 @@ class InferenceService:
         self.engine: Engine | None = None
         self.ready = asyncio.Event()
         self._follow_task: asyncio.Task[None] | None = None
-        self._bus = ServiceBus(config, runtime, tracer="harnessrl.inference")
+        self._bus = ServiceBus(config, runtime)
 
     @property
     def port(self) -> int:

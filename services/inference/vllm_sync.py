@@ -125,7 +125,7 @@ class VllmSyncService:
         )
         self._lock = asyncio.Lock()  # one swap or check at a time
         self._stopping = asyncio.Event()
-        self._bus = ServiceBus(config, runtime, tracer="harnessrl.vllm_sync")
+        self._bus = ServiceBus(config, runtime)
         self._tasks: list[asyncio.Task[None]] = []
         self._reachable = False
         self.ready = asyncio.Event()

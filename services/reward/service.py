@@ -89,8 +89,8 @@ class RewardService:
         self._scored: set[Key] = set()
         self._running: dict[Key, asyncio.Task[None]] = {}
         self._stopping = asyncio.Event()
-        self._bus = ServiceBus(config, runtime, tracer="harnessrl.reward")
-        self._tracer = self._bus.tracer
+        self._bus = ServiceBus(config, runtime)
+        self._tracer = runtime.tracer
         self.metrics = RewardMetrics(runtime.registry)
         self.ready = asyncio.Event()
 

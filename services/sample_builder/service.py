@@ -56,9 +56,9 @@ class SampleBuilderService:
         self._partition: dict[str, int] = {}
         self._done: set[str] = set()
         self._decode: Decode | None = None
-        self._bus = ServiceBus(config, runtime, tracer="harnessrl.sample_builder")
+        self._bus = ServiceBus(config, runtime)
         self._stopping = asyncio.Event()
-        self._tracer = self._bus.tracer
+        self._tracer = runtime.tracer
         self.metrics = SampleMetrics(runtime.registry)
         self.ready = asyncio.Event()
 

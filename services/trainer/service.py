@@ -73,10 +73,10 @@ class TrainerService:
         self._room = asyncio.Event()
         self._room.set()
         self._stopping = asyncio.Event()
-        self._bus = ServiceBus(config, runtime, tracer="harnessrl.trainer")
+        self._bus = ServiceBus(config, runtime)
         self._journal: StepJournal | None = None
         self._training: asyncio.Task[None] | None = None
-        self._tracer = self._bus.tracer
+        self._tracer = runtime.tracer
         self.metrics = TrainerMetrics(runtime.registry)
         self.ready = asyncio.Event()
         self.finished = asyncio.Event()

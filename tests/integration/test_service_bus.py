@@ -31,7 +31,7 @@ def _bus(
 ) -> ServiceBus:
     config = ServiceConfig(instance="s-0", kafka=kafka, producer=producer, consumer=consumer)
     runtime = Runtime("svc", "s-0", CollectorRegistry(), TracerProvider())
-    return ServiceBus(config, runtime, tracer="test")
+    return ServiceBus(config, runtime)
 
 
 def _finished(episode: str) -> pb.EpisodeFinished:
