@@ -39,7 +39,8 @@ EventHandler = Callable[[Any, Context], Awaitable[None]]
 with the record's Context to publish outputs or hold the record."""
 
 Handlers = Mapping[type[Any], EventHandler]
-"""One handler per event type (type[Any]: a table's key is one event type, typed)."""
+"""One handler per event type (keyed by type[Any], so that a table of handlers typed for
+different events type-checks as one mapping)."""
 
 
 def dispatch(handlers: Handlers) -> Handler:
