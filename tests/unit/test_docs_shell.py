@@ -90,6 +90,10 @@ COMMANDS: tuple[tuple[str, str], ...] = (
         "test_bench_load_runs_without_errors_and_captures_every_answered_call",
     ),
     (
+        rf"{_H} bench http ",
+        "tests/integration/test_bench_http.py::test_bench_http_measures_every_stack_in_one_run",
+    ),
+    (
         rf"{_H} bench samples ",
         "tests/unit/test_bench_samples.py::"
         "test_bench_samples_json_prints_one_line_with_the_figures",
