@@ -54,11 +54,17 @@ def scan_processes(digests: set[str]) -> dict[str, Any]:
     return {"readable": readable, "holding_a_secret": holding}
 
 
+_INSTALLED = frozenset({".venv", "node_modules", "site-packages", "__pycache__", ".git"})
+"""Folders of installed code, never where a deployment keeps a secret: a checkout under one
+of the roots (a clone in /tmp) would otherwise have the scan read all of torch."""
+
+
 def scan_files(roots: list[str], digests: set[str]) -> dict[str, Any]:
-    """Every file it can read under `roots`: which hold a secret; which it could not open."""
+    """Every file it can read under `roots`, installed code aside: which hold a secret."""
     holding, seen = [], 0
     for root in roots:
-        for top, _, files in os.walk(root):
+        for top, folders, files in os.walk(root):
+            folders[:] = [f for f in folders if f not in _INSTALLED]
             for name in files:
                 path = os.path.join(top, name)
                 try:
