@@ -110,13 +110,14 @@ def plan(args: argparse.Namespace) -> int:
     if args.gpus < 1:
         raise CliError(f"--gpus: must be at least 1, got {args.gpus}")
     settings = load(TrainerConfig, args, trainer=overrides).trainer
-    from harnessrl.services.trainer import memory_plan as planning
+    from harnessrl.services.trainer.memory_estimate import plan
+    from harnessrl.services.trainer.memory_plan import format_json, format_plan
 
     try:
-        result = planning.plan(settings.model, settings, args.gpus, _gpu_memory(args, settings))
+        result = plan(settings.model, settings, args.gpus, _gpu_memory(args, settings))
     except ValueError as err:
         raise CliError(str(err)) from None
-    text = planning.format_json(result) if args.json else planning.format_plan(result)
+    text = format_json(result) if args.json else format_plan(result)
     sys.stdout.write(text + "\n")
     return 0
 

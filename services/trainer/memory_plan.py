@@ -1,8 +1,8 @@
 """The plan in words, and the trainer's start-up refusal: the table `harnessrl trainer
 plan` prints, its JSON line, and `check_fits`, which refuses a configuration that cannot fit
-(the figures come from memory_estimate.py; `plan` is here too, so one import gives both).
+(the figures come from memory_estimate.py's `plan`).
 
-    result = plan(Path("examples/tiny-model"), settings, world_size=8, gpu_memory_bytes=None)
+    result = plan(Path("examples/tiny-model"), settings, 8, gpu_memory_bytes=None)  # estimate
     print(format_plan(result))
     check_fits(settings, world.size, device)       # Policy.load: ValueError when it cannot
 """
@@ -24,7 +24,7 @@ from harnessrl.services.trainer.memory_estimate import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GiB", "MemoryPlan", "check_fits", "format_json", "format_plan", "plan"]
+__all__ = ["check_fits", "format_json", "format_plan"]
 
 
 def check_fits(settings: TrainerSection, world_size: int, device: torch.device) -> None:
