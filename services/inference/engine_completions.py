@@ -77,15 +77,8 @@ def _completion_choice(
     codec: TextCodec, body: CompletionRequest, index: int, output: ChoiceOutput, ids: list[int]
 ) -> dict[str, Any]:
     text, _, reason = output.message()
-    choice: dict[str, Any] = {
-        "index": index,
-        "text": text,
-        "finish_reason": reason,
-        "stop_reason": None,
-        "logprobs": None,
-    }
-    if body.logprobs is not None:
-        choice["logprobs"] = _completion_logprobs(codec, output.tokens)
+    tokens = output.tokens if body.logprobs is not None else None
+    choice = _choice(codec, index, text, reason, tokens)
     if body.return_token_ids:
         choice["prompt_token_ids"] = ids
         choice["token_ids"] = output.ids
@@ -109,15 +102,8 @@ async def _completion_stream(
         if token.finish_reason is not None:
             rest, _, reason = output.finish()
             text += rest
-        choice: dict[str, Any] = {
-            "index": index,
-            "text": text,
-            "finish_reason": reason,
-            "stop_reason": None,
-            "logprobs": None,
-        }
-        if body.logprobs is not None:
-            choice["logprobs"] = _completion_logprobs(calls.codec, [token])
+        tokens = [token] if body.logprobs is not None else None
+        choice = _choice(calls.codec, index, text, reason, tokens)
         if body.return_token_ids:
             choice["token_ids"] = [token.token_id]
             if index not in started:
@@ -128,6 +114,20 @@ async def _completion_stream(
         total = usage(sum(len(p) for p in prompts[:: body.n]), outputs)
         yield sse({**head, "choices": [], "usage": total})
     yield b"data: [DONE]\n\n"
+
+
+def _choice(
+    codec: TextCodec, index: int, text: str | None, reason: str | None, tokens: list[Token] | None
+) -> dict[str, Any]:
+    """A completions choice (or a stream chunk's); `tokens`: those its log-probs cover, None
+    when none were asked for."""
+    return {
+        "index": index,
+        "text": text,
+        "finish_reason": reason,
+        "stop_reason": None,
+        "logprobs": None if tokens is None else _completion_logprobs(codec, tokens),
+    }
 
 
 def _completion_logprobs(codec: TextCodec, tokens: list[Token]) -> dict[str, Any]:
