@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from harnessrl.config import MiB, Section, ServiceConfig, SharedSecretsSection, real_secret
+from harnessrl.production import ProductionSection
 
 
 class SamplingOverrides(Section):
@@ -154,3 +155,5 @@ class GatewayConfig(ServiceConfig):
 
     gateway: GatewaySection = GatewaySection()
     """The gateway."""
+    production: ProductionSection = ProductionSection()
+    """Production sessions: apps, their feedback, the session stores."""

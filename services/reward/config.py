@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from harnessrl.config import GiB, KiB, MiB, Section, ServiceConfig, ServiceSection
+from harnessrl.production import ProductionSection
 
 
 class AnswerSettings(Section):
@@ -125,6 +126,8 @@ class RewardConfig(ServiceConfig):
 
     reward: RewardSection = RewardSection()
     """The reward service."""
+    production: ProductionSection = ProductionSection()
+    """Production sessions: apps, their feedback, the session stores."""
 
     @model_validator(mode="before")
     @classmethod

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from harnessrl.config import ServiceConfig, ServiceSection
+from harnessrl.production import ProductionSection
 
 
 class SampleBuilderSection(ServiceSection):
@@ -50,3 +51,5 @@ class SampleBuilderConfig(ServiceConfig):
 
     sample_builder: SampleBuilderSection = SampleBuilderSection()
     """The sample builder."""
+    production: ProductionSection = ProductionSection()
+    """Production sessions: apps, their feedback, the session stores."""

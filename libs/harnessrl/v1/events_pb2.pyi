@@ -184,6 +184,51 @@ class EventMeta(_message.Message):
 Global___EventMeta: _TypeAlias = EventMeta  # noqa: Y015
 
 @_typing.final
+class SessionInfo(_message.Message):
+    """A production session: calls an app made under a session id of its choosing, not an episode
+    the controller ran. Set by the gateway on the EpisodeStarted and EpisodeFinished it
+    publishes for a session, and by the reward service on the session's RewardAssigned.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    APP_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    EXPLORED_FIELD_NUMBER: _builtins.int
+    ENDED_BY_FIELD_NUMBER: _builtins.int
+    app: _builtins.str
+    """Name of the app whose key made the calls (`production.apps[].name`)."""
+    session_id: _builtins.str
+    """The app's session id (the x-harnessrl-session header or the /s/<id> path segment)."""
+    kind: _builtins.str
+    """The app's label grouping comparable sessions (x-harnessrl-kind); "" when none."""
+    explored: _builtins.bool
+    """True when the session is in the app's exploration share: served with sampling the
+    trainer can recompute (MODE_TRAIN); otherwise served as the app asked (MODE_VAL).
+    """
+    ended_by: _builtins.str
+    """On EpisodeFinished: what ended it: "end" (the app ended it), "idle" (no call for
+    production.idle_s). "" elsewhere.
+    """
+    def __init__(
+        self,
+        *,
+        app: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        explored: _builtins.bool = ...,
+        ended_by: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "ended_by", b"ended_by", "explored", b"explored", "kind", b"kind", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionInfo: _TypeAlias = SessionInfo  # noqa: Y015
+
+@_typing.final
 class TaskSubmitted(_message.Message):
     """--- hrl.tasks -------------------------------------------------------------------------------
 
@@ -254,6 +299,7 @@ class EpisodeStarted(_message.Message):
     RUNNER_REF_FIELD_NUMBER: _builtins.int
     STARTED_AT_FIELD_NUMBER: _builtins.int
     TRACE_ID_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     episode_id: _builtins.str
     """Id of the episode, minted by the controller; stable across its attempts."""
     attempt: _builtins.int
@@ -282,6 +328,12 @@ class EpisodeStarted(_message.Message):
     def started_at(self) -> _timestamp_pb2.Timestamp:
         """Wall-clock time the harness was launched."""
 
+    @_builtins.property
+    def session(self) -> Global___SessionInfo:
+        """Set for a production session (runner "session", published by the gateway that owns
+        it at its first call); unset for a controller's episode.
+        """
+
     def __init__(
         self,
         *,
@@ -297,10 +349,11 @@ class EpisodeStarted(_message.Message):
         runner_ref: _builtins.str = ...,
         started_at: _timestamp_pb2.Timestamp | None = ...,
         trace_id: _builtins.str = ...,
+        session: Global___SessionInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["started_at", b"started_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["session", b"session", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "episode_id", b"episode_id", "group_id", b"group_id", "group_size", b"group_size", "index", b"index", "mode", b"mode", "policy_version", b"policy_version", "runner", b"runner", "runner_ref", b"runner_ref", "started_at", b"started_at", "task_id", b"task_id", "trace_id", b"trace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "episode_id", b"episode_id", "group_id", b"group_id", "group_size", b"group_size", "index", b"index", "mode", b"mode", "policy_version", b"policy_version", "runner", b"runner", "runner_ref", b"runner_ref", "session", b"session", "started_at", b"started_at", "task_id", b"task_id", "trace_id", b"trace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -331,6 +384,7 @@ class EpisodeFinished(_message.Message):
     TASK_INPUT_JSON_FIELD_NUMBER: _builtins.int
     TASK_METADATA_JSON_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     episode_id: _builtins.str
     """Id of the episode (as in EpisodeStarted)."""
     attempt: _builtins.int
@@ -377,6 +431,12 @@ class EpisodeFinished(_message.Message):
     def finished_at(self) -> _timestamp_pb2.Timestamp:
         """Wall-clock time the harness ended (exit, kill, or Job completion)."""
 
+    @_builtins.property
+    def session(self) -> Global___SessionInfo:
+        """Set for a production session (published by the gateway when the session ended, after
+        its EpisodeClosed); unset for a controller's episode.
+        """
+
     def __init__(
         self,
         *,
@@ -397,10 +457,11 @@ class EpisodeFinished(_message.Message):
         task_input_json: _builtins.str = ...,
         task_metadata_json: _builtins.str = ...,
         policy_version: _builtins.int = ...,
+        session: Global___SessionInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "exit_code", b"exit_code", "finished_at", b"finished_at", "started_at", b"started_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "exit_code", b"exit_code", "finished_at", b"finished_at", "session", b"session", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "artifacts_uri", b"artifacts_uri", "attempt", b"attempt", "episode_id", b"episode_id", "exit_code", b"exit_code", "final", b"final", "finished_at", b"finished_at", "group_id", b"group_id", "mode", b"mode", "policy_version", b"policy_version", "reason", b"reason", "result_json", b"result_json", "result_truncated", b"result_truncated", "started_at", b"started_at", "status", b"status", "task_id", b"task_id", "task_input_json", b"task_input_json", "task_metadata_json", b"task_metadata_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "artifacts_uri", b"artifacts_uri", "attempt", b"attempt", "episode_id", b"episode_id", "exit_code", b"exit_code", "final", b"final", "finished_at", b"finished_at", "group_id", b"group_id", "mode", b"mode", "policy_version", b"policy_version", "reason", b"reason", "result_json", b"result_json", "result_truncated", b"result_truncated", "session", b"session", "started_at", b"started_at", "status", b"status", "task_id", b"task_id", "task_input_json", b"task_input_json", "task_metadata_json", b"task_metadata_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
@@ -442,6 +503,7 @@ class ModelCall(_message.Message):
     BODIES_TRUNCATED_FIELD_NUMBER: _builtins.int
     CONSTRAINED_FIELD_NUMBER: _builtins.int
     GATEWAY_FIELD_NUMBER: _builtins.int
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
     episode_id: _builtins.str
     """Episode the call belongs to, from the episode token."""
     attempt: _builtins.int
@@ -496,6 +558,10 @@ class ModelCall(_message.Message):
     `gateway.replica`, the episode token's replica); "" for a single unnamed gateway. A
     restarted replica recovers only the episodes whose calls carry its name.
     """
+    response_id: _builtins.str
+    """Id of the answer the harness received ("chatcmpl-...", "cmpl-...", "resp_...",
+    "msg_..."), so feedback about one response can name the turn that produced it.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids exactly as the engine tokenized and saw them (packed)."""
@@ -543,10 +609,11 @@ class ModelCall(_message.Message):
         bodies_truncated: _builtins.bool = ...,
         constrained: _builtins.str = ...,
         gateway: _builtins.str = ...,
+        response_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api", b"api", "attempt", b"attempt", "bodies_truncated", b"bodies_truncated", "completion_logprobs", b"completion_logprobs", "completion_token_ids", b"completion_token_ids", "constrained", b"constrained", "engine", b"engine", "episode_id", b"episode_id", "finish_reason", b"finish_reason", "gateway", b"gateway", "group_id", b"group_id", "latency_ms", b"latency_ms", "mode", b"mode", "model", b"model", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "request_body", b"request_body", "response_body", b"response_body", "seq", b"seq", "span_id", b"span_id", "started_at", b"started_at", "stream", b"stream", "temperature", b"temperature", "top_p", b"top_p", "trace_id", b"trace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api", b"api", "attempt", b"attempt", "bodies_truncated", b"bodies_truncated", "completion_logprobs", b"completion_logprobs", "completion_token_ids", b"completion_token_ids", "constrained", b"constrained", "engine", b"engine", "episode_id", b"episode_id", "finish_reason", b"finish_reason", "gateway", b"gateway", "group_id", b"group_id", "latency_ms", b"latency_ms", "mode", b"mode", "model", b"model", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "request_body", b"request_body", "response_body", b"response_body", "response_id", b"response_id", "seq", b"seq", "span_id", b"span_id", "started_at", b"started_at", "stream", b"stream", "temperature", b"temperature", "top_p", b"top_p", "trace_id", b"trace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -638,6 +705,9 @@ class RewardAssigned(_message.Message):
     LATENCY_MS_FIELD_NUMBER: _builtins.int
     MISSING_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    SIGNALS_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
+    DECIDED_AT_FIELD_NUMBER: _builtins.int
     episode_id: _builtins.str
     """Episode that was scored."""
     attempt: _builtins.int
@@ -668,6 +738,22 @@ class RewardAssigned(_message.Message):
         "non_finite"; the sample builder may drop flagged episodes.
         """
 
+    @_builtins.property
+    def signals(self) -> _containers.RepeatedCompositeFieldContainer[Global___FeedbackSignal]:
+        """Production sessions: the feedback signals the value was combined from, in the order
+        they arrived (at most one per idempotency key).
+        """
+
+    @_builtins.property
+    def session(self) -> Global___SessionInfo:
+        """Production sessions: the session (app and kind key its baseline); unset otherwise."""
+
+    @_builtins.property
+    def decided_at(self) -> _timestamp_pb2.Timestamp:
+        """Wall-clock time the reward was decided (production: when the required signals were in
+        or the feedback window ended).
+        """
+
     def __init__(
         self,
         *,
@@ -681,14 +767,65 @@ class RewardAssigned(_message.Message):
         latency_ms: _builtins.float = ...,
         missing: _builtins.bool = ...,
         message: _builtins.str = ...,
+        signals: _abc.Iterable[Global___FeedbackSignal] | None = ...,
+        session: Global___SessionInfo | None = ...,
+        decided_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decided_at", b"decided_at", "session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "components", b"components", "episode_id", b"episode_id", "flags", b"flags", "group_id", b"group_id", "latency_ms", b"latency_ms", "message", b"message", "missing", b"missing", "source", b"source", "value", b"value"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "components", b"components", "decided_at", b"decided_at", "episode_id", b"episode_id", "flags", b"flags", "group_id", b"group_id", "latency_ms", b"latency_ms", "message", b"message", "missing", b"missing", "session", b"session", "signals", b"signals", "source", b"source", "value", b"value"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RewardAssigned: _TypeAlias = RewardAssigned  # noqa: Y015
+
+@_typing.final
+class FeedbackSignal(_message.Message):
+    """One piece of feedback an app sent about a session, as the reward service accepted it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    RECEIVED_AT_FIELD_NUMBER: _builtins.int
+    SPAN_ID_FIELD_NUMBER: _builtins.int
+    TRACE_ID_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Signal name (`production.feedback.signals`), e.g. "thumbs", "resolved", "merged"."""
+    value: _builtins.float
+    """Its value, finite and within the signal's configured range."""
+    response_id: _builtins.str
+    """Id of the response it is about (as the app received it), "" for the whole session."""
+    idempotency_key: _builtins.str
+    """The app's idempotency key: a repeated key is the same signal, never counted twice."""
+    span_id: _builtins.str
+    """Hex W3C span id of the reward service's span for the signal (in the session's trace)."""
+    trace_id: _builtins.str
+    """Hex W3C trace id of that span (the session's trace)."""
+    @_builtins.property
+    def received_at(self) -> _timestamp_pb2.Timestamp:
+        """Wall-clock time the reward service accepted it."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        value: _builtins.float = ...,
+        response_id: _builtins.str = ...,
+        idempotency_key: _builtins.str = ...,
+        received_at: _timestamp_pb2.Timestamp | None = ...,
+        span_id: _builtins.str = ...,
+        trace_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["received_at", b"received_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "name", b"name", "received_at", b"received_at", "response_id", b"response_id", "span_id", b"span_id", "trace_id", b"trace_id", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FeedbackSignal: _TypeAlias = FeedbackSignal  # noqa: Y015
 
 @_typing.final
 class Sample(_message.Message):
@@ -715,6 +852,7 @@ class Sample(_message.Message):
     CALL_SEQS_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     CALL_SPAN_IDS_FIELD_NUMBER: _builtins.int
+    ADVANTAGES_FIELD_NUMBER: _builtins.int
     sample_id: _builtins.str
     """"<episode_id>/<attempt>/<segment_index>"."""
     episode_id: _builtins.str
@@ -763,6 +901,13 @@ class Sample(_message.Message):
     def call_span_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Hex span ids of the gateway spans of the merged calls (trace links for the trainer)."""
 
+    @_builtins.property
+    def advantages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Per-token advantages, when feedback credits turns differently (production sessions
+        with per-response signals); empty: `advantage` on every loss-mask token. Same length
+        as token_ids when set, 0 where loss_mask is false (packed).
+        """
+
     def __init__(
         self,
         *,
@@ -781,10 +926,11 @@ class Sample(_message.Message):
         call_seqs: _abc.Iterable[_builtins.int] | None = ...,
         temperature: _builtins.float = ...,
         call_span_ids: _abc.Iterable[_builtins.str] | None = ...,
+        advantages: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advantage", b"advantage", "attempt", b"attempt", "behavior_logprobs", b"behavior_logprobs", "call_seqs", b"call_seqs", "call_span_ids", b"call_span_ids", "episode_id", b"episode_id", "loss_mask", b"loss_mask", "policy_version_max", b"policy_version_max", "policy_version_min", b"policy_version_min", "reward", b"reward", "sample_id", b"sample_id", "segment_index", b"segment_index", "temperature", b"temperature", "token_ids", b"token_ids", "truncated", b"truncated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advantage", b"advantage", "advantages", b"advantages", "attempt", b"attempt", "behavior_logprobs", b"behavior_logprobs", "call_seqs", b"call_seqs", "call_span_ids", b"call_span_ids", "episode_id", b"episode_id", "loss_mask", b"loss_mask", "policy_version_max", b"policy_version_max", "policy_version_min", b"policy_version_min", "reward", b"reward", "sample_id", b"sample_id", "segment_index", b"segment_index", "temperature", b"temperature", "token_ids", b"token_ids", "truncated", b"truncated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
