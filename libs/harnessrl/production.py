@@ -158,6 +158,18 @@ class FeedbackSection(Section):
     """Largest feedback request body (413 beyond)."""
 
 
+class BaselineSection(Section):
+    """The baseline a session's reward is compared with (ARCHITECTURE.md, "Production
+    sessions"): a running estimate per (app, kind)."""
+
+    halflife: float = Field(default=200.0, gt=0)
+    """Sessions after which an earlier reward weighs half as much in the estimate."""
+    min_sessions: int = Field(default=10, ge=1)
+    """Rewards a kind needs before its own estimate is used (before: its app's)."""
+    scale: bool = False
+    """Also divide by the running standard deviation (as grpo divides by the group's)."""
+
+
 class ProductionSection(Section):
     """Production sessions: apps calling one fixed base URL, trained from later feedback."""
 
@@ -170,6 +182,8 @@ class ProductionSection(Section):
     Retry-After (the least recently used are ended as idle first, when idle for a minute)."""
     feedback: FeedbackSection = FeedbackSection()
     """The feedback signals and their window."""
+    baseline: BaselineSection = BaselineSection()
+    """What a session's reward is compared with."""
     store: Path = Path(".harnessrl/sessions")
     """Directory of the services' session stores (SQLite): the reward service's sessions
     awaiting feedback, the sample builder's sessions awaiting their reward. Keep it on a
