@@ -61,6 +61,8 @@ from harnessrl.trust.contract import (
 
 log = get_logger(__name__)
 
+RESPONSE_ID_CHARS = 256
+"""Longest response id recorded (the engine's free text; a hostile engine cannot bloat calls)."""
 SSE_HEADERS = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
 
 
@@ -260,7 +262,13 @@ class _CallRun:
         data = orjson.loads(response.body)
         completions: dict[int, Completion] = {}
         take(data, self._call.path == CHAT_PATH, completions)
-        self._capture(completions, engine, response.headers.get(VERSION_HEADER), response.body)
+        self._capture(
+            completions,
+            engine,
+            response.headers.get(VERSION_HEADER),
+            response.body,
+            str(data.get("id") or ""),
+        )
         return respond(200, self._call.renderer.body(data))
 
     async def stream(self) -> Response | StreamingResponse:
@@ -294,6 +302,7 @@ class _CallRun:
         keep = self._life.settings.capture_bodies
         sent: list[bytes] = []
         decoder = SseDecoder()
+        engine_id = ""
         try:
             while data := await response.read_chunk():
                 out: list[bytes] = []
@@ -307,6 +316,7 @@ class _CallRun:
                         break
                     if keep:
                         sent.append(payload)
+                    engine_id = engine_id or str(chunk.get("id") or "")
                     out.append(renderer.feed(chunk))
                 if capture.finished:
                     self._capture(
@@ -314,6 +324,7 @@ class _CallRun:
                         engine,
                         response.headers.get(VERSION_HEADER),
                         b"\n".join(sent),
+                        engine_id,
                     )
                     out.append(renderer.finish())
                 if out:
@@ -339,6 +350,7 @@ class _CallRun:
         engine: str,
         header: str | None,
         response_body: bytes,
+        engine_id: str,
     ) -> None:
         life, episode, span = self._life, self._episode, self._span
         assert episode is not None and span is not None
@@ -364,6 +376,7 @@ class _CallRun:
             response_body=response_body[:cap],
             bodies_truncated=cap > 0 and (len(self._raw) > cap or len(response_body) > cap),
             constrained=constrained(self._upstream) if self._claims.mode == "train" else "",
+            response_id=self._call.renderer.response_id(engine_id)[:RESPONSE_ID_CHARS],
         )
         calls = model_calls(exchange, completions, episode.calls)
         for call in calls:

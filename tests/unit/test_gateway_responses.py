@@ -109,9 +109,9 @@ def fixed_response_ids(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureR
     `resp_7d3f0a` (what is derived from it stays what is checked)."""
     if "fresh_ids" in request.keywords:
         return
-    from harnessrl.services.gateway.dialects import responses_output, responses_stream
+    from harnessrl.services.gateway.dialects import responses, responses_output
 
-    for module in (responses_output, responses_stream):
+    for module in (responses_output, responses):
         monkeypatch.setattr(module, "response_id", lambda: "resp_7d3f0a")
 
 
@@ -846,7 +846,7 @@ def streamed(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(events, responses handed to on_done) for `chunks` then `end` (finish or fail)."""
     done: list[dict[str, Any]] = []
-    stream = ResponseStream(echo_for(body, translate(body)), done.append)
+    stream = ResponseStream(echo_for(body, translate(body)), done.append, "resp_7d3f0a")
     raw = b"".join(stream.feed(chunk) for chunk in chunks) + end(stream)
     return sse_events(raw), done
 

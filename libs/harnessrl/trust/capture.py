@@ -58,6 +58,8 @@ class Exchange:
     bodies_truncated: bool = False
     constrained: str = ""
     """How a train call's decoding was constrained (contract.constrained), "" if not."""
+    response_id: str = ""
+    """The id the harness received for the answer (what feedback names)."""
 
 
 def take(data: dict[str, Any], chat: bool, completions: dict[int, Completion]) -> None:
@@ -119,6 +121,7 @@ def model_calls(
             bodies_truncated=exchange.bodies_truncated,
             constrained=exchange.constrained,
             gateway=claims.gateway,
+            response_id=exchange.response_id,
         )
         call.started_at.FromNanoseconds(exchange.started_ns)
         calls.append(call)

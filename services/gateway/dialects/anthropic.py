@@ -19,6 +19,7 @@ from harnessrl.services.gateway.dialects.anthropic_response import (
     MessageStream,
     chat_to_message,
     encode_sse,
+    message_id,
 )
 from harnessrl.services.gateway.dialects.base import EngineCall
 from harnessrl.services.gateway.errors import ANTHROPIC, ErrorShape
@@ -67,6 +68,9 @@ class _Message:
 
     def stream(self) -> _Events:
         return _Events(MessageStream(model=self._model))
+
+    def response_id(self, engine_id: str) -> str:
+        return message_id(engine_id)
 
 
 class _Events:

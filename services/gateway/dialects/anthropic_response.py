@@ -280,7 +280,12 @@ class MessageStream:
 
 
 def _message_id(chat: dict[str, Any]) -> str:
-    return "msg_" + str(chat.get("id", "")).removeprefix("chatcmpl-")
+    return message_id(str(chat.get("id", "")))
+
+
+def message_id(engine_id: str) -> str:
+    """The Anthropic message id of the engine's chat completion `engine_id`."""
+    return "msg_" + engine_id.removeprefix("chatcmpl-")
 
 
 def _tool_use(call_id: object, name: object, msg_id: str, index: int) -> dict[str, Any]:

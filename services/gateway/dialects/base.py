@@ -38,6 +38,10 @@ class Renderer(Protocol):
     def stream(self) -> StreamRenderer:
         """A renderer for the engine's stream."""
 
+    def response_id(self, engine_id: str) -> str:
+        """The id the harness is given for the answer the engine gave as `engine_id` (what
+        feedback about this response names)."""
+
 
 @dataclass(slots=True)
 class EngineCall:

@@ -54,6 +54,9 @@ class Passthrough:
     def stream(self) -> PassthroughStream:
         return PassthroughStream(self)
 
+    def response_id(self, engine_id: str) -> str:
+        return engine_id
+
     def harness(self, data: dict[str, Any]) -> dict[str, Any]:
         """`data` (an answer or a chunk) as the API would give it: modified in place."""
         data["model"] = self.model or data.get("model")

@@ -16,7 +16,11 @@ from typing import Any
 from harnessrl.episode_token import EpisodeClaims
 from harnessrl.http import Response
 from harnessrl.services.gateway.dialects.base import EngineCall
-from harnessrl.services.gateway.dialects.responses_output import Echo, chat_to_response
+from harnessrl.services.gateway.dialects.responses_output import (
+    Echo,
+    chat_to_response,
+    response_id,
+)
 from harnessrl.services.gateway.dialects.responses_request import responses_to_chat
 from harnessrl.services.gateway.dialects.responses_store import Key, ResponseStore, Stored
 from harnessrl.services.gateway.dialects.responses_stream import ResponseStream
@@ -120,14 +124,18 @@ class _Render:
     ) -> None:
         self._store, self._key, self._expires = store, key, expires_at
         self._echo, self._items, self._keep = echo, items, keep
+        self._id = response_id()
 
     def body(self, data: dict[str, Any]) -> Any:
-        response = chat_to_response(data, self._echo)
+        response = chat_to_response(data, self._echo, self._id)
         self._done(response)
         return response
 
     def stream(self) -> ResponseStream:
-        return ResponseStream(self._echo, self._done)
+        return ResponseStream(self._echo, self._done, self._id)
+
+    def response_id(self, engine_id: str) -> str:
+        return self._id
 
     def _done(self, response: dict[str, Any]) -> None:
         if self._keep:

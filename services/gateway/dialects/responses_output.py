@@ -165,9 +165,12 @@ def finished(response: dict[str, Any], finish_reason: object) -> dict[str, Any]:
     return response
 
 
-def chat_to_response(chat: dict[str, Any], echo: Echo) -> dict[str, Any]:
-    """The Response for an engine's chat completion (its first choice)."""
-    resp_id = response_id()
+def chat_to_response(
+    chat: dict[str, Any], echo: Echo, resp_id: str | None = None
+) -> dict[str, Any]:
+    """The Response for an engine's chat completion (its first choice), with id `resp_id`
+    (default: a fresh one)."""
+    resp_id = resp_id or response_id()
     response = echo.response(resp_id, int(chat.get("created") or time.time()))
     choices = chat.get("choices") or [{}]
     choice = choices[0]

@@ -36,7 +36,6 @@ from harnessrl.services.gateway.dialects.responses_output import (
     message_item,
     output_text,
     reasoning_item,
-    response_id,
     usage,
 )
 from harnessrl.services.gateway.errors import engine_message
@@ -45,12 +44,12 @@ from harnessrl.services.gateway.errors import engine_message
 class ResponseStream:
     """Responses events for one engine chat-completion stream (choice 0)."""
 
-    def __init__(self, echo: Echo, on_done: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, echo: Echo, on_done: Callable[[dict[str, Any]], None], resp_id: str) -> None:
         self._echo = echo
         self._on_done = on_done
         self._seq = 0
         self._response: dict[str, Any] | None = None
-        self._id = ""
+        self._id = resp_id
         self._item: dict[str, Any] | None = None  # the output item being streamed
         self._text: list[str] = []  # its text (or arguments) so far
         self._tool_index: int | None = None  # the engine's index of the call being streamed
@@ -111,7 +110,6 @@ class ResponseStream:
         return b"".join(out)
 
     def _start(self, chunk: dict[str, Any], out: list[bytes]) -> None:
-        self._id = response_id()
         self._response = self._echo.response(self._id, int(chunk.get("created") or time.time()))
         self._event(out, "response.created", response=self._response)
         self._event(out, "response.in_progress", response=self._response)
