@@ -124,27 +124,36 @@ class Admin:
                 f"gateway: episode {episode_id} belongs to replica {owner!r}, not this one "
                 f"({self._replica or '(unnamed)'!r}): close it there",
             )
-        key = (episode_id, attempt)
-        task = self._closing.get(key)
-        if task is None:
-            claims = EpisodeClaims(
-                episode_id,
-                attempt,
-                group_id,
-                "train",
-                time.time() + CLOSED_RETENTION_S,
-                gateway=self._replica,
-            )
-            task = self._closing[key] = asyncio.create_task(self._close_once(claims, reason))
+        claims = EpisodeClaims(
+            episode_id,
+            attempt,
+            group_id,
+            "train",
+            time.time() + CLOSED_RETENTION_S,
+            gateway=self._replica,
+        )
         try:
-            count = await asyncio.shield(task)
+            count = await self.close(claims, reason)
         except Exception as err:
-            self._closing.pop(key, None)  # let the controller try again
             log.error("closing an episode failed", episode_id=episode_id, error=repr(err))
             return _problem(503, f"episode {episode_id}: could not be closed: {err}")
         return json_response(
             200, {"episode_id": episode_id, "attempt": attempt, "call_count": count}
         )
+
+    async def close(self, claims: EpisodeClaims, reason: str) -> int:
+        """Close the attempt (once, however often asked): its call count, after its
+        EpisodeClosed is acknowledged. Raises what refused it; asking again then retries."""
+        key = (claims.episode_id, claims.attempt)
+        task = self._closing.get(key)
+        if task is None:
+            task = self._closing[key] = asyncio.create_task(self._close_once(claims, reason))
+        try:
+            return await asyncio.shield(task)
+        except Exception:
+            if self._closing.get(key) is task:
+                del self._closing[key]
+            raise
 
     async def _close_once(self, claims: EpisodeClaims, reason: str) -> int:
         episode = await self._book.close(claims)

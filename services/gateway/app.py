@@ -35,6 +35,13 @@ from harnessrl.episode_token import EpisodeClaims, TokenError, verify
 from harnessrl.health import health_body
 from harnessrl.http import Request, Response, StreamingResponse
 from harnessrl.logs import get_logger
+from harnessrl.production import (
+    END_HEADER,
+    KIND_HEADER,
+    SESSION_HEADER,
+    check_kind,
+    check_session_id,
+)
 from harnessrl.services.gateway.admin import Admin
 from harnessrl.services.gateway.control import Paused
 from harnessrl.services.gateway.depth import check_depth
@@ -55,6 +62,7 @@ from harnessrl.services.gateway.lifecycle import Lifecycle
 from harnessrl.services.gateway.models import Models
 from harnessrl.services.gateway.open_episodes import EpisodeClosedError
 from harnessrl.services.gateway.openapi import document_bytes
+from harnessrl.services.gateway.production_sessions import ProductionSessions, SessionEndedError
 from harnessrl.trust.contract import CHAT_PATH, engine_request
 
 log = get_logger(__name__)
@@ -101,8 +109,10 @@ class GatewayApp:
         health: Callable[[], dict[str, bool]],
         max_depth: int,
         replica: str = "",
+        sessions: ProductionSessions | None = None,
     ) -> None:
         self._life = lifecycle
+        self._sessions = sessions if sessions is not None and sessions.apps else None
         self._replica = replica
         self._admin = admin
         self._responses = responses
@@ -122,9 +132,25 @@ class GatewayApp:
             token, _, rest = path[3:].partition("/")
             route = "/" + rest
             response = await self._api(request, route, token, episode, path_token=True)
+        elif path.startswith(("/s/", "/k/")) and self._sessions is not None:
+            route, session, kind = _session_path(path)
+            response = await self._session_api(request, route, session, kind, episode, in_path=True)
         elif path.startswith("/v1/"):
             route = path
-            response = await self._api(request, route, _api_key(request) or "", episode)
+            key = _api_key(request) or ""
+            named = request.headers.get(SESSION_HEADER)
+            if self._sessions is not None and (
+                named is not None or self._sessions.apps.by_key(key)
+            ):
+                kind = request.headers.get(KIND_HEADER, "")
+                response = await self._session_api(
+                    request, route, named, kind, episode, in_path=False
+                )
+            else:
+                response = await self._api(request, route, key, episode)
+        elif path.startswith("/sessions/") and self._sessions is not None:
+            route = "/sessions/{id}/end"
+            response = await self._end_session(request, path)
         else:
             route = path if path in ("/healthz", "/metrics", "/openapi.json") else ""
             if path.startswith("/admin/") and self._admin is not None:
@@ -169,6 +195,12 @@ class GatewayApp:
             status = _TOKEN_STATUS.get(err.reason, 401)
             return render(shape, GatewayError(status, str(err)))
         episode.append(claims.episode_id)
+        return await self._serve(request, route, claims, shape)
+
+    async def _serve(
+        self, request: Request, route: str, claims: EpisodeClaims, shape: ErrorShape
+    ) -> Response | StreamingResponse:
+        """The authorized request, its refusals in the API's own shape."""
         try:
             return await self._route(request, route, claims, shape)
         except GatewayError as err:
@@ -182,6 +214,83 @@ class GatewayApp:
             return render(shape, GatewayError(err.status, str(err), headers=headers))
         except UpstreamError as err:
             return render(shape, GatewayError(err.status, str(err)))
+
+    async def _session_api(
+        self,
+        request: Request,
+        route: str,
+        session: str | None,
+        kind: str,
+        episode: list[str],
+        *,
+        in_path: bool,
+    ) -> Response | StreamingResponse:
+        """A production app's call (production_sessions.py): its app key, its session."""
+        assert self._sessions is not None
+        anthropic = route.startswith("/v1/messages") or "anthropic-version" in request.headers
+        shape: ErrorShape = ANTHROPIC if anthropic else OPENAI
+        app = self._sessions.apps.by_key(_api_key(request) or "")
+        try:
+            if app is None:
+                self._life.metrics.refused("app_key").inc()
+                raise GatewayError(
+                    401,
+                    "api key: a production session needs its app's key "
+                    "(production.apps) as the API key",
+                    "api_key",
+                )
+            if session is None:
+                raise GatewayError(
+                    400,
+                    f"{SESSION_HEADER}: required: an app's call names its session (this "
+                    "header, or /s/<session>/ in the base URL)",
+                    SESSION_HEADER,
+                )
+            where = "path: /s/<session>" if in_path else SESSION_HEADER
+            try:
+                check_session_id(session, where)
+                if kind:
+                    check_kind(kind, "path: /k/<kind>" if in_path else KIND_HEADER)
+            except ValueError as err:
+                raise GatewayError(400, str(err), where) from None
+            claims = self._sessions.claims(app, session, kind)
+        except GatewayError as err:
+            return render(shape, err)
+        except SessionEndedError as err:
+            self._life.metrics.refused("session_ended").inc()
+            return render(shape, GatewayError(409, str(err), SESSION_HEADER))
+        episode.append(claims.episode_id)
+        response = await self._serve(request, route, claims, shape)
+        if request.headers.get(END_HEADER, "").lower() in ("1", "true", "yes"):
+            self._sessions.end_after_call(claims)
+        return response
+
+    async def _end_session(self, request: Request, path: str) -> Response:
+        """`POST /sessions/{session}/end` with the app's key: the session ends (its calls in
+        flight finish first); answers its call count. Ending again answers the same."""
+        assert self._sessions is not None
+        session, _, rest = path.removeprefix("/sessions/").partition("/")
+        if rest != "end":
+            return render(OPENAI, GatewayError(404, f"{path}: not found"))
+        if request.method != "POST":
+            return render(OPENAI, GatewayError(405, f"{request.method} {path}: not allowed"))
+        app = self._sessions.apps.by_key(_api_key(request) or "")
+        if app is None:
+            self._life.metrics.refused("app_key").inc()
+            return render(OPENAI, GatewayError(401, "api key: an app's key is required", "api_key"))
+        try:
+            check_session_id(session, "path: /sessions/<session>/end")
+            ended = await self._sessions.end(app, session)
+        except ValueError as err:
+            return render(OPENAI, GatewayError(400, str(err), "session"))
+        except KeyError:
+            return render(OPENAI, GatewayError(404, f"session {session!r}: unknown", "session"))
+        except Exception as err:  # the close was refused (broker away): the app may retry
+            return render(OPENAI, GatewayError(503, f"session {session!r}: not ended: {err}"))
+        return respond(
+            200,
+            {"session": session, "ended_by": ended.ended_by, "call_count": ended.call_count},
+        )
 
     async def _route(
         self, request: Request, route: str, claims: EpisodeClaims, shape: ErrorShape
@@ -315,6 +424,18 @@ def _template(route: str) -> str:
         if route.startswith(prefix):
             return prefix + ("{id}/input_items" if route.endswith("/input_items") else "{id}")
     return "other"
+
+
+def _session_path(path: str) -> tuple[str, str | None, str]:
+    """(route, session, kind) of `/s/<session>/v1/...` or `/k/<kind>/s/<session>/v1/...`."""
+    kind = ""
+    if path.startswith("/k/"):
+        kind, _, path = path[3:].partition("/")
+        path = "/" + path
+    if not path.startswith("/s/"):
+        return path, None, kind
+    session, _, rest = path[3:].partition("/")
+    return "/" + rest, session, kind
 
 
 def _api_key(request: Request) -> str | None:

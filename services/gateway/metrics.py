@@ -78,6 +78,27 @@ class GatewayMetrics:
             "Episodes closed (EpisodeClosed published).",
             registry=r,
         )
+        self.sessions_started = Labelled(
+            Counter(
+                "harnessrl_gateway_sessions_started",
+                "Production sessions opened, by app and whether they explore (train).",
+                ["app", "explored"],
+                registry=r,
+            )
+        )
+        self.sessions_ended = Labelled(
+            Counter(
+                "harnessrl_gateway_sessions_ended",
+                "Production sessions ended, by app and how (end | idle).",
+                ["app", "ended_by"],
+                registry=r,
+            )
+        )
+        self.sessions_open = Gauge(
+            "harnessrl_gateway_sessions_open",
+            "Production sessions open on this replica.",
+            registry=r,
+        )
         self.episodes = Gauge(
             "harnessrl_gateway_episodes", "Episodes known to this replica.", registry=r
         )

@@ -36,6 +36,8 @@ class OpenEpisode:
     closed_count: int | None = None  # call_count, once EpisodeClosed was acknowledged
     pending: list[asyncio.Future[object]] = field(default_factory=list)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    touched: float = 0.0
+    """monotonic time a call of it last began or ended."""
 
     def next_seq(self) -> int:
         seq, self.calls = self.calls, self.calls + 1
@@ -54,6 +56,8 @@ class Restored:
     """Its next seq: one more than the highest seq captured."""
     closed_count: int | None
     """call_count of its EpisodeClosed, if it was closed."""
+    reason: str = ""
+    """The reason of its EpisodeClosed, if it was closed."""
 
 
 class EpisodeBook:
@@ -101,6 +105,17 @@ class EpisodeBook:
                 episode.closed_count = restored.closed_count
         return episode
 
+    def get(self, key: Key) -> OpenEpisode | None:
+        """The episode attempt, if this book holds it."""
+        return self._episodes.get(key)
+
+    def forget(self, key: Key) -> None:
+        """Drop an attempt that is closed and whose calls are over (a production session,
+        whose claims never expire)."""
+        episode = self._episodes.get(key)
+        if episode is not None and episode.closed and episode.in_flight == 0:
+            del self._episodes[key]
+
     def begin(self, claims: EpisodeClaims) -> OpenEpisode:
         """Account for a new call; raises EpisodeClosedError if the episode is closed."""
         episode = self._episode(claims)
@@ -109,6 +124,7 @@ class EpisodeBook:
                 f"episode {claims.episode_id} attempt {claims.attempt} is closed"
             )
         episode.in_flight += 1
+        episode.touched = time.monotonic()
         episode.idle.clear()
         self._in_flight += 1
         self._idle.clear()
@@ -117,6 +133,7 @@ class EpisodeBook:
     def end(self, episode: OpenEpisode) -> None:
         """The call (successful or not) is over."""
         episode.in_flight -= 1
+        episode.touched = time.monotonic()
         if episode.in_flight == 0:
             episode.idle.set()
         self._in_flight -= 1

@@ -44,6 +44,7 @@ async def recover(
     async def scan() -> dict[Key, Restored]:
         calls: dict[Key, int] = {}
         closed: dict[Key, int] = {}
+        reasons: dict[Key, str] = {}
         async for _, event, _ in read_to_end(
             kafka, events.CALLS, client_id=client_id, since_ms=since_ms
         ):
@@ -53,8 +54,11 @@ async def recover(
                 calls[key] = max(calls.get(key, 0), event.seq + 1)
             elif isinstance(event, pb.EpisodeClosed) and event.gateway == replica:
                 closed[(event.episode_id, event.attempt)] = event.call_count
+                reasons[(event.episode_id, event.attempt)] = event.reason
         return {
-            key: Restored(max(calls.get(key, 0), closed.get(key, 0)), closed.get(key))
+            key: Restored(
+                max(calls.get(key, 0), closed.get(key, 0)), closed.get(key), reasons.get(key, "")
+            )
             for key in calls.keys() | closed.keys()
         }
 

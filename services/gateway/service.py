@@ -30,6 +30,7 @@ from harnessrl.services.gateway.lifecycle import CallAdmission, Engines, Lifecyc
 from harnessrl.services.gateway.metrics import GatewayMetrics, ServerBudgets
 from harnessrl.services.gateway.models import Models
 from harnessrl.services.gateway.open_episodes import EpisodeBook
+from harnessrl.services.gateway.production_sessions import ProductionSessions
 from harnessrl.services.gateway.recovery import recover
 from harnessrl.services.gateway.versions import EngineVersions
 from harnessrl.v1 import events_pb2 as pb
@@ -70,6 +71,8 @@ class GatewayService:
         self.versions = EngineVersions()
         self.responses = ResponseStore(section.responses_store_max)
         """The responses episodes stored (Responses API `store`)."""
+        self.sessions: ProductionSessions | None = None
+        """The production sessions this replica owns (with production.apps set)."""
 
     @property
     def port(self) -> int:
@@ -96,6 +99,16 @@ class GatewayService:
             engine_model, listing = await self._discover(pool)
             lifecycle = self._lifecycle(pool, engine_model, listing, metrics)
             admin = self._admin(engine_model, metrics)
+            if self._config.production.apps:
+                self.sessions = ProductionSessions(
+                    self._config.production,
+                    book=self.book,
+                    producer=self._bus.producer,
+                    close=admin.close,
+                    metrics=metrics,
+                    replica=section.replica,
+                )
+                metrics.sessions_open.set_function(lambda: len(self.sessions or ()))
             app = self._app(lifecycle, admin, engine_model, listing, metrics)
             await self._listen(app, admin, stack)
             recovering = self._start_background(admin, stack)
@@ -195,6 +208,7 @@ class GatewayService:
             health=self.health,
             max_depth=section.max_json_depth,
             replica=section.replica,
+            sessions=self.sessions,
         )
 
     async def _listen(self, app: GatewayApp, admin: Admin, stack: AsyncExitStack) -> None:
@@ -210,7 +224,11 @@ class GatewayService:
     def _start_background(self, admin: Admin, stack: AsyncExitStack) -> asyncio.Task[None]:
         """Start what runs beside the servers: topic creation, recovery (returned), the
         sweep and following hrl.policy."""
-        self._background(self._bus.create_topics([events.CALLS, events.POLICY]), "topics")
+        topics = [events.CALLS, events.POLICY]
+        if self.sessions is not None:  # sessions are opened and finished here
+            topics.append(events.EPISODES)
+            self._background(self._sweep_sessions(self.sessions), "session sweep")
+        self._background(self._bus.create_topics(topics), "topics")
         recovering = asyncio.create_task(self._recover(), name="recover")
         self._tasks.append(recovering)
         self._background(self._sweep(admin), "sweep")
@@ -294,6 +312,8 @@ class GatewayService:
             client_id=f"{self._runtime.producer_name}/recover",
             replica=self._config.gateway.replica,
         )
+        if self.sessions is not None:
+            log.info("sessions recovered", open=self.sessions.restore(state))
         self.book.restore(state)
         self.recovery.resume()
 
@@ -303,6 +323,14 @@ class GatewayService:
             self.book.sweep()
             self.responses.sweep()
             admin.sweep()
+
+    async def _sweep_sessions(self, sessions: ProductionSessions) -> None:
+        """End idle sessions (and those asked to end) within a few seconds of it."""
+        interval = min(5.0, self._config.production.idle_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            if not self.recovery.paused:
+                sessions.sweep()
 
     async def _rebuild_versions(self) -> None:
         async def read() -> None:

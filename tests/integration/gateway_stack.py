@@ -18,6 +18,7 @@ from harnessrl import events
 from harnessrl.broker import EmbeddedBroker
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
 from harnessrl.episode_token import EpisodeClaims, mint
+from harnessrl.production import ProductionSection
 from harnessrl.runtime import Runtime
 from harnessrl.services.gateway.config import GatewayConfig, GatewaySection
 from harnessrl.services.gateway.service import GatewayService
@@ -104,10 +105,11 @@ async def running_stack(
     model: Path,
     tracer_provider: TracerProvider | None = None,
     engine_settings: dict[str, Any] | None = None,
+    production: ProductionSection | None = None,
     **gateway: Any,
 ) -> AsyncIterator[Stack]:
     """The stack; `engine_settings` are extra InferenceSection fields, `gateway` extra
-    GatewaySection fields."""
+    GatewaySection fields, `production` the production apps."""
     kafka = KafkaSettings(bootstrap_servers=broker.bootstrap, partitions=3)
     inference = InferenceSection(
         model=model, port=0, follow_policy=False, **(engine_settings or {})
@@ -133,6 +135,7 @@ async def running_stack(
         consumer=ConsumerSettings(**FAST_GROUP),
         producer=ProducerSettings(spill_dir=tmp_path / "gw-spill"),
         gateway=section,
+        production=production or ProductionSection(),
     )
     service = GatewayService(
         config, Runtime("gateway", "gw-0", registry, tracer_provider or TracerProvider())

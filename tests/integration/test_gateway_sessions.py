@@ -1,0 +1,235 @@
+"""Production sessions at the gateway: a real app's SDK with one base URL and its app key,
+on the real broker, engine and gateway (services/gateway/production_sessions.py)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+
+from harnessrl import events
+from harnessrl.broker import EmbeddedBroker
+from harnessrl.production import (
+    AppSpec,
+    ProductionSection,
+    explored,
+    key_digest,
+    session_traceparent,
+)
+from harnessrl.v1 import events_pb2 as pb
+from tests.helpers import events_on, eventually
+from tests.integration.gateway_stack import Stack, running_stack
+from tests.model_helpers import TINY
+
+KEY = "hrl-app-key-support-0123456789abcdef"
+OTHER_KEY = "hrl-app-key-ide-0123456789abcdef0123"
+QUESTION = [{"role": "user", "content": "What is 17 + 25?"}]
+
+
+def _production(exploration: float = 1.0, idle_s: float = 600.0) -> ProductionSection:
+    return ProductionSection(
+        apps=[
+            AppSpec(name="support", key_sha256=key_digest(KEY), exploration=exploration),
+            AppSpec(name="ide", key_sha256=key_digest(OTHER_KEY), exploration=0.0),
+        ],
+        idle_s=idle_s,
+    )
+
+
+@pytest_asyncio.fixture
+async def stack(broker: EmbeddedBroker, tmp_path: Path) -> AsyncIterator[Stack]:
+    async with running_stack(broker, tmp_path, TINY, production=_production()) as running:
+        yield running
+
+
+async def _episodes(stack: Stack) -> list[Any]:
+    return [e for _, e in await events_on(stack.broker.bootstrap, events.EPISODES)]
+
+
+async def test_an_openai_app_names_its_session_in_a_header_and_every_call_is_captured(
+    stack: Stack,
+) -> None:
+    client = openai.AsyncOpenAI(
+        base_url=f"{stack.gateway_url}/v1",
+        api_key=KEY,
+        max_retries=0,
+        default_headers={"x-harnessrl-session": "ticket-17", "x-harnessrl-kind": "refund"},
+    )
+    first = await client.chat.completions.create(
+        model="support-bot", messages=QUESTION, max_tokens=8
+    )
+    second = await client.chat.completions.create(
+        model="support-bot", messages=QUESTION, max_tokens=8, stream=True
+    )
+    streamed_id = ""
+    async for chunk in second:
+        streamed_id = streamed_id or chunk.id
+    calls = await stack.calls(at_least=2)
+    assert [c.seq for c in calls] == [0, 1]
+    assert {c.episode_id for c in calls} == {"s.support.ticket-17"}
+    assert {c.group_id for c in calls} == {"s.support.ticket-17"}
+    assert [c.response_id for c in calls] == [first.id, streamed_id]
+    assert all(c.mode == pb.MODE_TRAIN for c in calls)  # exploration 1: every session trains
+    assert all(
+        c.trace_id == session_traceparent("support", "ticket-17").split("-")[1] for c in calls
+    )
+    started = [e for e in await _episodes(stack) if isinstance(e, pb.EpisodeStarted)]
+    assert len(started) == 1
+    assert started[0].session == pb.SessionInfo(
+        app="support", session_id="ticket-17", kind="refund", explored=True
+    )
+    assert started[0].runner == "session" and started[0].group_size == 1
+
+
+async def test_the_session_and_kind_may_ride_in_the_base_url_for_the_anthropic_sdk(
+    stack: Stack,
+) -> None:
+    client = anthropic.AsyncAnthropic(
+        base_url=f"{stack.gateway_url}/k/bug-report/s/chat-9", api_key=KEY, max_retries=0
+    )
+    message = await client.messages.create(
+        model="claude-x", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+    )
+    calls = await stack.calls(at_least=1)
+    assert calls[0].episode_id == "s.support.chat-9"
+    assert calls[0].response_id == message.id and message.id.startswith("msg_")
+    started = [e for e in await _episodes(stack) if isinstance(e, pb.EpisodeStarted)]
+    assert started[0].session.kind == "bug-report"
+
+
+async def test_ending_a_session_closes_it_after_its_calls_and_a_later_call_is_refused(
+    stack: Stack,
+) -> None:
+    client = openai.AsyncOpenAI(
+        base_url=f"{stack.gateway_url}/s/order-5/v1", api_key=KEY, max_retries=0
+    )
+    await client.chat.completions.create(model="m", messages=QUESTION, max_tokens=4)
+    await client.completions.create(model="m", prompt="17 + 25 =", max_tokens=4)
+    async with httpx.AsyncClient() as http:
+        ended = await http.post(
+            f"{stack.gateway_url}/sessions/order-5/end", headers={"authorization": f"Bearer {KEY}"}
+        )
+        again = await http.post(
+            f"{stack.gateway_url}/sessions/order-5/end", headers={"authorization": f"Bearer {KEY}"}
+        )
+        # Another app's key reaches only its own sessions: app "ide" has no order-5.
+        foreign = await http.post(
+            f"{stack.gateway_url}/sessions/order-5/end",
+            headers={"authorization": f"Bearer {OTHER_KEY}"},
+        )
+    assert ended.status_code == 200, ended.text
+    assert ended.json() == {"session": "order-5", "ended_by": "end", "call_count": 2}
+    assert again.json() == ended.json()
+    assert foreign.status_code == 404
+    closed = await stack.closed()
+    assert [(c.episode_id, c.call_count, c.reason) for c in closed] == [
+        ("s.support.order-5", 2, "session_end")
+    ]
+    finished = [e for e in await _episodes(stack) if isinstance(e, pb.EpisodeFinished)]
+    assert len(finished) == 1 and finished[0].session.ended_by == "end"
+    assert finished[0].final and finished[0].group_id == "s.support.order-5"
+    with pytest.raises(openai.ConflictError, match="has ended"):
+        await client.chat.completions.create(model="m", messages=QUESTION, max_tokens=4)
+    assert len(await stack.calls()) == 2
+
+
+async def test_a_call_carrying_the_end_header_ends_its_session_after_it(stack: Stack) -> None:
+    async with httpx.AsyncClient() as http:
+        answer = await http.post(
+            f"{stack.gateway_url}/v1/chat/completions",
+            headers={
+                "authorization": f"Bearer {KEY}",
+                "x-harnessrl-session": "one-shot",
+                "x-harnessrl-session-end": "true",
+            },
+            json={"model": "m", "messages": QUESTION, "max_tokens": 4},
+        )
+    assert answer.status_code == 200
+
+    async def ended() -> bool:
+        return any(c.episode_id == "s.support.one-shot" for c in await stack.closed())
+
+    await eventually(ended, timeout=20)
+    assert [c.call_count for c in await stack.closed()] == [1]
+
+
+async def test_an_idle_session_ends_on_its_own(broker: EmbeddedBroker, tmp_path: Path) -> None:
+    production = _production(idle_s=0.4)
+    async with running_stack(broker, tmp_path, TINY, production=production) as stack:
+        client = openai.AsyncOpenAI(
+            base_url=f"{stack.gateway_url}/s/quiet/v1", api_key=KEY, max_retries=0
+        )
+        await client.chat.completions.create(model="m", messages=QUESTION, max_tokens=4)
+
+        async def finished() -> list[pb.EpisodeFinished]:
+            return [e for e in await _episodes(stack) if isinstance(e, pb.EpisodeFinished)]
+
+        await eventually(finished, timeout=20)
+        assert (await finished())[0].session.ended_by == "idle"
+        assert [(c.call_count, c.reason) for c in await stack.closed()] == [(1, "session_idle")]
+
+
+async def test_sessions_outside_the_exploration_share_are_served_as_asked_and_marked_val(
+    stack: Stack,
+) -> None:
+    # App "ide" explores nothing: its sessions run with the app's own sampling, never train.
+    client = openai.AsyncOpenAI(
+        base_url=f"{stack.gateway_url}/s/tab-3/v1", api_key=OTHER_KEY, max_retries=0
+    )
+    await client.chat.completions.create(
+        model="m", messages=QUESTION, max_tokens=4, temperature=0.3
+    )
+    calls = await stack.calls(at_least=1)
+    assert calls[0].mode == pb.MODE_VAL and calls[0].episode_id == "s.ide.tab-3"
+    assert calls[0].temperature == pytest.approx(0.3)
+
+
+def test_the_exploration_share_is_stable_and_near_its_setting() -> None:
+    chosen = [explored("support", f"session-{i}", 0.25) for i in range(4000)]
+    assert chosen == [explored("support", f"session-{i}", 0.25) for i in range(4000)]
+    assert 0.22 < sum(chosen) / len(chosen) < 0.28
+    assert not any(explored("support", f"session-{i}", 0.0) for i in range(100))
+    assert all(explored("support", f"session-{i}", 1.0) for i in range(100))
+
+
+@pytest.mark.parametrize(
+    ("headers", "path", "status", "field"),
+    [
+        ({}, "/s/fine/v1/chat/completions", 401, "api key"),
+        ({"authorization": "Bearer not-an-app-key"}, "/s/fine/v1/chat/completions", 401, "api key"),
+        ({"authorization": f"Bearer {KEY}"}, "/v1/chat/completions", 400, "x-harnessrl-session"),
+        (
+            {"authorization": f"Bearer {KEY}", "x-harnessrl-session": "x" * 129},
+            "/v1/chat/completions",
+            400,
+            "x-harnessrl-session",
+        ),
+        (
+            {"authorization": f"Bearer {KEY}", "x-harnessrl-session": "a/b"},
+            "/v1/chat/completions",
+            400,
+            "x-harnessrl-session",
+        ),
+        ({"authorization": f"Bearer {KEY}"}, "/s/-dash-first/v1/chat/completions", 400, "path"),
+        ({"authorization": f"Bearer {KEY}"}, "/k/bad kind/s/ok/v1/chat/completions", 400, "kind"),
+    ],
+)
+async def test_bad_session_requests_are_refused_naming_the_field_and_capture_nothing(
+    stack: Stack, headers: dict[str, str], path: str, status: int, field: str
+) -> None:
+    async with httpx.AsyncClient() as http:
+        answer = await http.post(
+            f"{stack.gateway_url}{path}",
+            headers=headers,
+            json={"model": "m", "messages": QUESTION, "max_tokens": 4},
+        )
+    assert answer.status_code == status, answer.text
+    assert field in answer.json()["error"]["message"]
+    assert await stack.calls() == []
+    assert await _episodes(stack) == []
