@@ -81,6 +81,44 @@ class SampleMetrics:
             buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1),
             registry=r,
         )
+        self.sessions = Labelled(
+            Gauge(
+                "harnessrl_samples_sessions",
+                "Production sessions in the session store, by state: waiting (for events or "
+                "their reward), built (published, not yet acknowledged), published, dropped.",
+                ["state"],
+                registry=r,
+            )
+        )
+        self.session_events = Labelled(
+            Counter(
+                "harnessrl_samples_session_events",
+                "Events of production sessions, by what the store did: stored, duplicate "
+                "(a redelivered copy), late (the session was decided), overflow (a copy past "
+                "the bound on conflicting copies).",
+                ["outcome"],
+                registry=r,
+            )
+        )
+        self.sessions_decided = Labelled(
+            Counter(
+                "harnessrl_samples_sessions_decided",
+                "Production sessions leaving the wait, by outcome: built (samples stored for "
+                "publication), published, dropped (not trained: see the groups counter for "
+                "the reason), expired (dropped at production.retention_s), publish_refused.",
+                ["outcome"],
+                registry=r,
+            )
+        )
+        self.session_turns = Labelled(
+            Counter(
+                "harnessrl_samples_session_turns",
+                "Turns feedback credited, by whether a call of the session answered them: "
+                "credited, unmatched.",
+                ["match"],
+                registry=r,
+            )
+        )
         self.reward = Labelled(
             Histogram(
                 "harnessrl_samples_episode_reward",

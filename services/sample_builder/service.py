@@ -6,6 +6,10 @@ committed) until the group's samples are acknowledged, or the group is dropped: 
 re-delivers exactly the groups still open, and the join state is rebuilt from them. Groups
 already emitted are read from hrl.samples' keys at start, so late or re-delivered events of
 a finished group are ignored rather than built twice.
+
+Production sessions (`s.<app>.<session>` groups, with `production.apps` configured) wait for
+their reward far longer than a group_timeout_s, so they take another path: their events are
+parked in the session store on disk and their records released at once (session_groups.py).
 """
 
 from __future__ import annotations
@@ -18,17 +22,18 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 from opentelemetry import context as otel_context
-from opentelemetry.trace import Link, SpanContext, TraceFlags
 
 from harnessrl import events
 from harnessrl.bus import Context, Hold
 from harnessrl.bus.snapshot import read_keys
 from harnessrl.logs import get_logger
-from harnessrl.retry import PermanentError
+from harnessrl.retry import PermanentError, RetryableError
 from harnessrl.runtime import Runtime
 from harnessrl.service_bus import ServiceBus, Subscription
 from harnessrl.services.sample_builder.config import SampleBuilderConfig
 from harnessrl.services.sample_builder.metrics import SampleMetrics
+from harnessrl.services.sample_builder.session_groups import SessionGroups, call_links, is_session
+from harnessrl.services.sample_builder.session_store import SessionStore
 from harnessrl.trust.group import Group
 from harnessrl.trust.samples import Built, Decode, build
 from harnessrl.v1 import events_pb2 as pb
@@ -56,6 +61,7 @@ class SampleBuilderService:
         self._partition: dict[str, int] = {}
         self._done: set[str] = set()
         self._decode: Decode | None = None
+        self._sessions: SessionGroups | None = None
         self._bus = ServiceBus(config, runtime)
         self._stopping = asyncio.Event()
         self._tracer = runtime.tracer
@@ -71,12 +77,25 @@ class SampleBuilderService:
             co_partitioned=True,
         )
         async with AsyncExitStack() as stack:
+            # Closed after the producer flushed: its last acknowledgements settle sessions.
+            stack.push_async_callback(self._close_sessions)
             await self._bus.start(stack, topics=[*subscription.topics, events.SAMPLES])
             self._done = await read_keys(
                 config.kafka, events.SAMPLES, client_id=f"{runtime.producer_name}/rebuild"
             )
             if self._settings.tokenizer is not None:
                 self._decode = await asyncio.to_thread(decoder, str(self._settings.tokenizer))
+            if config.production.apps:
+                self._sessions = SessionGroups(
+                    await asyncio.to_thread(SessionStore, config.production.store),
+                    settings=self._settings,
+                    production=config.production,
+                    publish=self._bus.producer.publish,
+                    metrics=self.metrics,
+                    tracer=self._tracer,
+                    decode=self._decode,
+                )
+                await self._sessions.start()
             self._bus.consume(stack, subscription)
             sweeper = asyncio.create_task(self._sweep(), name="group timeouts")
             stack.callback(sweeper.cancel)
@@ -86,12 +105,17 @@ class SampleBuilderService:
                 estimator=self._settings.estimator,
                 groups_done=len(self._done),
                 classify_retokenization=self._decode is not None,
+                sessions=str(config.production.store) if self._sessions else None,
             )
             self.ready.set()
             await self._stopping.wait()
 
     async def stop(self) -> None:
         self._stopping.set()
+
+    async def _close_sessions(self) -> None:
+        if self._sessions is not None:
+            await self._sessions.close()
 
     def health(self) -> dict[str, bool]:
         return {"producer": self._bus.healthy}
@@ -103,6 +127,9 @@ class SampleBuilderService:
         group_id: str = event.group_id
         if group_id in self._done:
             return  # late or re-delivered: the group is built already
+        if self._sessions is not None and is_session(group_id):
+            await self._sessions.add(kind, event)  # parked on disk: the record is released
+            return
         group = self._groups.get(group_id)
         if group is None:
             group = self._groups[group_id] = Group(group_id, time.monotonic())
@@ -121,7 +148,7 @@ class SampleBuilderService:
         self._done.add(group_id)
         started = time.perf_counter()
         with self._tracer.start_as_current_span(
-            "samples.group", context=otel_context.Context(), links=_links(group)
+            "samples.group", context=otel_context.Context(), links=call_links(group)
         ) as span:
             built = build(group, self._settings, self._decode)
             span.set_attribute("harnessrl.group_id", group_id)
@@ -165,6 +192,11 @@ class SampleBuilderService:
         settings = self._settings
         while True:
             await asyncio.sleep(settings.sweep_interval_s)
+            if self._sessions is not None:
+                try:
+                    await self._sessions.sweep()
+                except RetryableError as err:  # the store was busy: tried again next tick
+                    log.warning("session sweep failed", error=repr(err))
             now = time.monotonic()
             for group_id, group in list(self._groups.items()):
                 if now - group.first_seen > settings.group_timeout_s:
@@ -190,19 +222,6 @@ def _check(kind: str, event: Any) -> None:
         raise PermanentError(f"{name}.group_id: required")
     if kind == "reward_assigned" and not event.missing and not math.isfinite(event.value):
         raise PermanentError(f"{name}.value: {event.value} is not a finite number")
-
-
-def _links(group: Group) -> Sequence[Link]:
-    links = []
-    for episode in group.episodes():
-        for call in episode.state.calls.values():
-            try:
-                trace_id, span_id = int(call.trace_id, 16), int(call.span_id, 16)
-            except ValueError:
-                continue
-            context = SpanContext(trace_id, span_id, True, TraceFlags(TraceFlags.SAMPLED))
-            links.append(Link(context, {"harnessrl.seq": call.seq}))
-    return links
 
 
 def _release(holds: list[Hold]) -> None:

@@ -53,11 +53,15 @@ class SampleArrays:
     advantage: float
     temperature: float
     policy_version_min: int
+    advantages: npt.NDArray[np.float32] | None = None
+    """float32 [T]: per-token advantages (Sample.advantages, 0 where the mask is False), or
+    None: `advantage` on every token."""
 
     @classmethod
     def from_proto(cls, sample: pb.Sample) -> SampleArrays:
         """Raises ValueError naming the field when the arrays disagree in length, the sample
-        is empty, its first token is on the loss mask, or its temperature is not positive."""
+        is empty, its first token is on the loss mask, its temperature is not positive, or
+        an advantage (`advantage`, or `advantages` on the loss mask) is not finite."""
         token_ids = np.array(sample.token_ids, dtype=np.int64)  # [T]
         loss_mask = np.array(sample.loss_mask, dtype=np.bool_)  # [T]
         behavior = np.array(sample.behavior_logprobs, dtype=np.float32)  # [T]
@@ -77,6 +81,17 @@ class SampleArrays:
             raise ValueError(f"{where}: advantage must be finite, got {sample.advantage}")
         if not np.all(np.isfinite(behavior[loss_mask])):
             raise ValueError(f"{where}: behavior_logprobs must be finite on the loss mask")
+        per_token = None
+        if len(sample.advantages):
+            per_token = np.array(sample.advantages, dtype=np.float32)  # [T]
+            if per_token.size != token_ids.size:
+                raise ValueError(
+                    f"{where}: advantages ({per_token.size}) must be empty or have the "
+                    f"length of token_ids ({token_ids.size})"
+                )
+            if not np.all(np.isfinite(per_token[loss_mask])):
+                raise ValueError(f"{where}: advantages must be finite on the loss mask")
+            per_token = np.where(loss_mask, per_token, np.float32(0.0))  # [T]
         return cls(
             sample_id=sample.sample_id,
             episode_id=sample.episode_id,
@@ -86,6 +101,7 @@ class SampleArrays:
             advantage=float(sample.advantage),
             temperature=float(sample.temperature),
             policy_version_min=int(sample.policy_version_min),
+            advantages=per_token,
         )
 
 
@@ -134,7 +150,8 @@ class MicroBatch:
     behavior: torch.Tensor
     """float32 [B, T]: behaviour log-probs, 0 off the loss mask."""
     advantages: torch.Tensor
-    """float32 [B, T]: the sample's advantage on each of its real tokens, 0 on padding."""
+    """float32 [B, T]: the sample's per-token advantages when it has them, else its advantage
+    on each of its real tokens; 0 on padding."""
     weights: torch.Tensor
     """float32 [B, T]: normalization weights over the whole batch, 0 off the loss mask."""
     temperature: torch.Tensor
@@ -206,7 +223,14 @@ def _collate(samples: Sequence[SampleArrays], weights: Sequence[Weights]) -> Mic
         attention[b, :n] = 1
         loss_mask[b, :n] = s.loss_mask
         behavior[b, :n] = s.behavior
-        advantages[b, :n] = s.advantage
+        if s.advantages is None:
+            advantages[b, :n] = s.advantage
+        elif s.advantages.shape == (n,):
+            advantages[b, :n] = s.advantages
+        else:
+            raise ValueError(
+                f"advantages of {s.sample_id!r}: shape {s.advantages.shape}, expected ({n},)"
+            )
         row_weights[b, :n] = w
     return MicroBatch(
         input_ids=torch.from_numpy(input_ids),  # [B, T]

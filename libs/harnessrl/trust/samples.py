@@ -93,7 +93,7 @@ class Built:
 
 
 @dataclass(frozen=True, slots=True)
-class _KeptSegment:
+class KeptEpisode:
     episode: GroupEpisode
     reward: float
     segments: list[Segment]
@@ -102,21 +102,21 @@ class _KeptSegment:
 def build(group: Group, settings: Rules, decode: Decode | None = None) -> Built:
     """The samples of `group` from what has arrived (all of it, unless timed out)."""
     built = Built(samples=None)
-    kept: list[_KeptSegment] = []
+    kept: list[KeptEpisode] = []
     val = group.mode == pb.MODE_VAL
     for episode in group.episodes():
-        reason, reward = _verdict(episode, settings)
+        reason, reward = verdict(episode, settings)
         if reason is None and val:
             built.rewards.append(reward)  # type: ignore[arg-type]  # not None when kept
-            _drop_episode(built, episode, "val")
+            drop_episode(built, episode, "val")
             continue
         if reason is None:
             assert reward is not None
-            reason = _segments(
+            reason = merge_episode(
                 episode, reward, settings=settings, decode=decode, built=built, kept=kept
             )
         if reason is not None:
-            _drop_episode(built, episode, reason.partition(":")[0])
+            drop_episode(built, episode, reason.partition(":")[0])
             built.episodes_dropped.append(
                 pb.DroppedEpisode(
                     episode_id=episode.episode_id,
@@ -133,7 +133,7 @@ def build(group: Group, settings: Rules, decode: Decode | None = None) -> Built:
     advantage = advantages(built.rewards, settings.estimator, eps=settings.eps)
     if advantage is None:
         return _dropped(built, kept, "zero_variance")
-    _close_books(built, kept, None)
+    close_books(built, kept, None)
     built.samples = samples = pb.GroupSamples(
         group_id=group.group_id,
         task_id=group.task_id,
@@ -144,14 +144,14 @@ def build(group: Group, settings: Rules, decode: Decode | None = None) -> Built:
     )
     for k, value in zip(kept, advantage, strict=True):
         for index, segment in enumerate(k.segments):
-            _fill(samples.samples.add(), k, index, segment, value)  # in place: no copies
+            fill_sample(samples.samples.add(), k, index, segment, value)  # in place: no copies
     return built
 
 
-def _dropped(built: Built, kept: list[_KeptSegment], reason: str) -> Built:
+def _dropped(built: Built, kept: list[KeptEpisode], reason: str) -> Built:
     """`built` for a group that is not trained on, for `reason`."""
     built.dropped = reason
-    _close_books(built, kept, reason)
+    close_books(built, kept, reason)
     return built
 
 
@@ -162,7 +162,7 @@ def _drop_tokens(built: Built, calls: Sequence[pb.ModelCall], reason: str) -> No
     built.dropped_tokens[reason] += tokens
 
 
-def _drop_episode(built: Built, episode: GroupEpisode, reason: str) -> None:
+def drop_episode(built: Built, episode: GroupEpisode, reason: str) -> None:
     """All of an episode's captured tokens dropped for `reason`."""
     _drop_tokens(built, episode.every_call, reason)
     held = episode.overflow()[0] + episode.overflow(beyond=True)[0]
@@ -170,7 +170,7 @@ def _drop_episode(built: Built, episode: GroupEpisode, reason: str) -> None:
     built.dropped_tokens[reason] += held
 
 
-def _close_books(built: Built, kept: list[_KeptSegment], reason: str | None) -> None:
+def close_books(built: Built, kept: list[KeptEpisode], reason: str | None) -> None:
     """The kept episodes' tokens trained, or all dropped for the group's `reason`."""
     trained = sum(s.trained_tokens for k in kept for s in k.segments)
     if reason is None:
@@ -182,7 +182,7 @@ def _close_books(built: Built, kept: list[_KeptSegment], reason: str | None) -> 
             built.books.dropped[name] = tokens
 
 
-def _verdict(episode: GroupEpisode, settings: Rules) -> tuple[str | None, float | None]:
+def verdict(episode: GroupEpisode, settings: Rules) -> tuple[str | None, float | None]:
     """(reason to drop, None) or (None, the reward to train with)."""
     state = episode.state
     waiting = state.missing()
@@ -204,14 +204,14 @@ def _verdict(episode: GroupEpisode, settings: Rules) -> tuple[str | None, float 
     return None, state.reward.value
 
 
-def _segments(
+def merge_episode(
     episode: GroupEpisode,
     reward: float,
     *,
     settings: Rules,
     decode: Decode | None,
     built: Built,
-    kept: list[_KeptSegment],
+    kept: list[KeptEpisode],
 ) -> str | None:
     """Merge the episode's calls into `kept`; the reason to drop it instead, if any."""
     calls = [to_call(c) for c in episode.calls]
@@ -243,7 +243,7 @@ def _segments(
         built.dropped_tokens[str(reason)] += tokens
     built.dropped_tokens["truncated"] += cut
     _count(built.merge, episode.episode_id, merged, len(calls))
-    kept.append(_KeptSegment(episode, reward, segments))
+    kept.append(KeptEpisode(episode, reward, segments))
     return None
 
 
@@ -290,8 +290,8 @@ def to_call(call: pb.ModelCall) -> Call:
     )
 
 
-def _fill(
-    sample: pb.Sample, kept: _KeptSegment, index: int, segment: Segment, advantage: float
+def fill_sample(
+    sample: pb.Sample, kept: KeptEpisode, index: int, segment: Segment, advantage: float
 ) -> None:
     episode = kept.episode
     sample.sample_id = f"{episode.episode_id}/{episode.attempt}/{index}"
