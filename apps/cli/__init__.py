@@ -20,6 +20,7 @@ from harnessrl.apps.cli import (
     episode,
     events_cmd,
     experiment,
+    feedback,
     submit,
     swe,
     trace,
@@ -39,6 +40,7 @@ _TOOLS = (
     doctor,
     chaos,
     swe,
+    feedback,
 )
 
 

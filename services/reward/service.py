@@ -6,6 +6,11 @@ the RewardAssigned is acknowledged, so a crash re-delivers exactly the unscored 
 At start the service reads hrl.rewards to learn what is already scored, so a redelivered
 episode is not scored twice. The service has no API beyond /healthz and /metrics: a
 harness has no route to it.
+
+Production sessions (EpisodeStarted/EpisodeFinished with `session` set) are never scored by
+the configured reward: with production.apps set they go to the feedback join
+(feedback_join.py), whose records commit once its store holds them, and apps send feedback
+to the feedback API (feedback_api.py) on its own port, `reward.feedback_port`.
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ from harnessrl.logs import get_logger
 from harnessrl.metrics import Labelled
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
-from harnessrl.service_bus import ServiceBus, Subscription
+from harnessrl.service_bus import Handlers, ServiceBus, Subscription
 from harnessrl.services.reward.config import RewardConfig
 from harnessrl.services.reward.episode import Episode
+from harnessrl.services.reward.feedback_api import FeedbackApi
+from harnessrl.services.reward.feedback_join import FeedbackJoin, FeedbackMetrics
+from harnessrl.services.reward.feedback_store import FeedbackStore, StoreThread
 from harnessrl.services.reward.jail import Jail
 from harnessrl.services.reward.scoring import CallPolicy, assign
 from harnessrl.services.reward.sources import FunctionScorer, Scorer, make_scorer
@@ -93,10 +101,17 @@ class RewardService:
         self._tracer = runtime.tracer
         self.metrics = RewardMetrics(runtime.registry)
         self.ready = asyncio.Event()
+        self._join: FeedbackJoin | None = None
+        self._feedback_api: FeedbackApi | None = None
 
     @property
     def source(self) -> str:
         return self._scorer.source
+
+    @property
+    def feedback_port(self) -> int:
+        """The feedback API's port once running (0 when production.apps is not set)."""
+        return 0 if self._feedback_api is None else self._feedback_api.port
 
     async def run(self) -> None:
         config, runtime = self._config, self._runtime
@@ -110,12 +125,17 @@ class RewardService:
             ):
                 if isinstance(event, pb.RewardAssigned):
                     self._scored.add((event.episode_id, event.attempt))
+            if config.production.apps:
+                await self._start_feedback(stack)
             # Closed in reverse: the consumer stops taking episodes, then the ones being
-            # scored finish (or are cancelled), then the producer flushes.
+            # scored finish (or are cancelled), then the feedback side, then the producer
+            # flushes.
             stack.push_async_callback(self._drain)
-            self._bus.consume(
-                stack, Subscription("harnessrl.reward", {pb.EpisodeFinished: self._on_finished})
-            )
+            handlers: Handlers = {
+                pb.EpisodeStarted: self._on_started,
+                pb.EpisodeFinished: self._on_finished,
+            }
+            self._bus.consume(stack, Subscription("harnessrl.reward", handlers))
             self.metrics.in_flight.set_function(lambda: len(self._running))
             if isinstance(self._scorer, FunctionScorer):
                 scorer = self._scorer
@@ -127,10 +147,49 @@ class RewardService:
     async def stop(self) -> None:
         self._stopping.set()
 
+    async def _start_feedback(self, stack: AsyncExitStack) -> None:
+        """The session store, the join and its sweeps, the feedback API; closed in reverse
+        (the API, the sweeps, rewards being published, the store) before the producer."""
+        production, section = self._config.production, self._config.reward
+        store = StoreThread(
+            lambda: FeedbackStore.open(production.store, window_s=production.feedback.window_s)
+        )
+        await store.start()
+        stack.push_async_callback(store.close)
+        metrics = FeedbackMetrics(self._runtime.registry, store)
+        join = FeedbackJoin(production, store, self._bus.producer, metrics)
+        stack.push_async_callback(join.drain, section.shutdown_timeout_s / 2)
+        sweeps = asyncio.create_task(join.run_sweeps(section.feedback_sweep_s), name="sweeps")
+        stack.push_async_callback(_cancel, sweeps)
+        api = FeedbackApi(production, store, join, self._tracer, self.health)
+        await api.start(section.host, section.feedback_port)
+        stack.push_async_callback(api.stop)
+        self._join, self._feedback_api = join, api
+
     def health(self) -> dict[str, bool]:
         return {"producer": self._bus.healthy}
 
+    async def _on_started(self, event: pb.EpisodeStarted, ctx: Context) -> None:
+        if event.HasField("session"):
+            await self._session_event(event)
+
+    async def _session_event(self, event: pb.EpisodeStarted | pb.EpisodeFinished) -> None:
+        """A production session's event: to the join (its record commits once the store
+        holds it), never to the configured reward."""
+        if self._join is None:
+            log.warning(
+                "production session event ignored: production.apps is not set",
+                episode_id=event.episode_id,
+            )
+        elif isinstance(event, pb.EpisodeStarted):
+            await self._join.on_started(event)
+        else:
+            await self._join.on_finished(event)
+
     async def _on_finished(self, event: pb.EpisodeFinished, ctx: Context) -> None:
+        if event.HasField("session"):
+            await self._session_event(event)
+            return
         if not event.group_id:  # its reward could not be published (the group is its key)
             raise PermanentError("EpisodeFinished.group_id: required")
         if not event.final and not self._config.reward.score_non_final:
@@ -213,3 +272,8 @@ class RewardService:
             for leftover in pending:
                 leftover.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
