@@ -11,9 +11,10 @@ at least `min_count` rewards behind it):
 where m_k and s_k are the exponentially weighted mean and standard deviation of the rewards
 decided for k before this one, with a half-life of `halflife` sessions (the weight of a
 reward halves every `halflife` later rewards, so the estimate follows a policy that
-improves), averaging plainly while fewer than `halflife` have arrived. With no key that has
-`min_count` rewards, the broadest one with any is used, else m = 0 (the first session of an
-app is trained without a baseline, never dropped).
+improves), averaging plainly while fewer than `halflife` have arrived; while s_k is 0 (every
+reward so far was equal) nothing is divided. With no key that has `min_count` rewards, the
+broadest one with any is used, else m = 0 (the first session of an app is trained without a
+baseline, never dropped).
 
 Why it is unbiased: m_k depends only on rewards decided before R, not on the actions of this
 session, so E[(R - m_k) grad log pi] = E[R grad log pi]; it lowers the variance as far as m_k
@@ -80,7 +81,9 @@ class Baselines:
             raise ValueError(f"reward: {reward} is not finite")
         e = self.estimate(keys)
         advantage = reward - (e.mean if e is not None else 0.0)
-        if self.scale and e is not None and e.count >= self.min_count:
+        # All rewards equal so far (a 0/1 kind that always succeeded): its scale is
+        # unknown, not zero; dividing by the floor made the next failure weigh 1000x.
+        if self.scale and e is not None and e.count >= self.min_count and e.var > 0.0:
             advantage /= max(math.sqrt(e.var), 1e-3)
         for key in keys:
             self._table.setdefault(tuple(key), Estimate()).update(reward, self.halflife)
