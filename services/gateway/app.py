@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from harnessrl.episode_token import EpisodeClaims, TokenError, verify
 from harnessrl.health import health_body
 from harnessrl.http import Request, Response, StreamingResponse
+from harnessrl.http.errors import HttpClientError
 from harnessrl.logs import get_logger
 from harnessrl.production import (
     END_HEADER,
@@ -41,6 +42,7 @@ from harnessrl.production import (
     SESSION_HEADER,
     check_kind,
     check_session_id,
+    session_group,
 )
 from harnessrl.services.gateway.admin import Admin
 from harnessrl.services.gateway.control import Paused
@@ -63,6 +65,7 @@ from harnessrl.services.gateway.models import Models
 from harnessrl.services.gateway.open_episodes import EpisodeClosedError
 from harnessrl.services.gateway.openapi import document_bytes
 from harnessrl.services.gateway.production_sessions import ProductionSessions, SessionEndedError
+from harnessrl.services.gateway.session_owners import NotOwnerError, SessionOwners
 from harnessrl.trust.contract import CHAT_PATH, engine_request
 
 log = get_logger(__name__)
@@ -110,7 +113,9 @@ class GatewayApp:
         max_depth: int,
         replica: str = "",
         sessions: ProductionSessions | None = None,
+        owners: SessionOwners | None = None,
     ) -> None:
+        self._owners = owners
         self._life = lifecycle
         self._sessions = sessions if sessions is not None and sessions.apps else None
         self._replica = replica
@@ -253,6 +258,9 @@ class GatewayApp:
                     check_kind(kind, "path: /k/<kind>" if in_path else KIND_HEADER)
             except ValueError as err:
                 raise GatewayError(400, str(err), where) from None
+            owner = self._owner(app.name, session)
+            if owner is not None:
+                return await self._forward(owner, request, shape)
             claims = self._sessions.claims(app, session, kind)
         except GatewayError as err:
             return render(shape, err)
@@ -265,7 +273,36 @@ class GatewayApp:
             self._sessions.end_after_call(claims)
         return response
 
-    async def _end_session(self, request: Request, path: str) -> Response:
+    def _owner(self, app: str, session: str) -> str | None:
+        """The replica to forward the session's calls to; None when it is this one."""
+        if self._owners is None:
+            return None
+        owner = self._owners.owner(session_group(app, session))
+        return None if owner == self._replica else owner
+
+    async def _forward(
+        self, owner: str, request: Request, shape: ErrorShape
+    ) -> Response | StreamingResponse:
+        """The request served by the replica that owns its session (session_owners.py)."""
+        assert self._owners is not None
+        try:
+            return await self._owners.forward(owner, request)
+        except NotOwnerError as err:
+            log.error("session forwarding loop", error=str(err))
+            return render(shape, GatewayError(503, str(err)))
+        except (OSError, HttpClientError) as err:
+            self._life.metrics.refused("owner_unreachable").inc()
+            return render(
+                shape,
+                GatewayError(
+                    503,
+                    f"the gateway replica {owner!r} that owns this session is unreachable "
+                    f"({type(err).__name__}); retry",
+                    headers=[("retry-after", "1")],
+                ),
+            )
+
+    async def _end_session(self, request: Request, path: str) -> Response | StreamingResponse:
         """`POST /sessions/{session}/end` with the app's key: the session ends (its calls in
         flight finish first); answers its call count. Ending again answers the same."""
         assert self._sessions is not None
@@ -280,6 +317,9 @@ class GatewayApp:
             return render(OPENAI, GatewayError(401, "api key: an app's key is required", "api_key"))
         try:
             check_session_id(session, "path: /sessions/<session>/end")
+            owner = self._owner(app.name, session)
+            if owner is not None:
+                return await self._forward(owner, request, OPENAI)
             ended = await self._sessions.end(app, session)
         except ValueError as err:
             return render(OPENAI, GatewayError(400, str(err), "session"))

@@ -27,6 +27,15 @@ class SamplingOverrides(Section):
     recomputed log-probs would not reflect, and that have no neutral value to send)."""
 
 
+class GatewayPeer(Section):
+    """A gateway replica that serves production sessions."""
+
+    name: str = Field(max_length=128)
+    """Its `gateway.replica` name."""
+    url: str
+    """Its harness port's base URL as the other replicas reach it (http://host:port)."""
+
+
 class GatewaySection(SharedSecretsSection):
     """The gateway: where harness calls come in and which engines answer them."""
 
@@ -45,6 +54,11 @@ class GatewaySection(SharedSecretsSection):
     `gateways[].name`; in Kubernetes the pod name): it accepts only tokens that name it
     (421 otherwise, nothing captured), closes only its own episodes, and recovers only its
     own from hrl.calls. "" for a deployment of one gateway."""
+    peers: list[GatewayPeer] = []
+    """The replicas that share production sessions, this one included (by its `replica`
+    name): each session belongs to one of them (rendezvous hashing of its id), and a
+    replica forwards a call of a session it does not own to the owner, so an app needs
+    one address. Empty: this replica owns every session that reaches it."""
     engines: list[str] = ["http://127.0.0.1:8100"]
     """Base URLs of the inference engines; an episode sticks to one (rendezvous hashing)."""
     engine_model: str | None = None
@@ -122,6 +136,18 @@ class GatewaySection(SharedSecretsSection):
     responses_store_max: int = Field(default=10_000, ge=0)
     """Responses kept for `previous_response_id` and GET /v1/responses/{id}, over all
     episodes of this replica (oldest dropped first; an episode's go when its token expires)."""
+
+    @model_validator(mode="after")
+    def _peers_name_this_replica(self) -> GatewaySection:
+        names = [p.name for p in self.peers]
+        if names and self.replica not in names:
+            raise ValueError(f"peers: must include this replica ({self.replica!r}) by name")
+        if len(set(names)) != len(names):
+            raise ValueError("peers: each replica once")
+        for peer in self.peers:
+            if not peer.url.startswith("http://"):
+                raise ValueError(f"peers: {peer.url!r} is not an http:// URL")
+        return self
 
     @model_validator(mode="after")
     def _budget_holds_a_body(self) -> GatewaySection:

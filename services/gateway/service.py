@@ -32,6 +32,7 @@ from harnessrl.services.gateway.models import Models
 from harnessrl.services.gateway.open_episodes import EpisodeBook
 from harnessrl.services.gateway.production_sessions import ProductionSessions
 from harnessrl.services.gateway.recovery import recover
+from harnessrl.services.gateway.session_owners import SessionOwners
 from harnessrl.services.gateway.versions import EngineVersions
 from harnessrl.v1 import events_pb2 as pb
 
@@ -71,6 +72,7 @@ class GatewayService:
         self.versions = EngineVersions()
         self.responses = ResponseStore(section.responses_store_max)
         """The responses episodes stored (Responses API `store`)."""
+        self._closers: list[Any] = []
         self.sessions: ProductionSessions | None = None
         """The production sessions this replica owns (with production.apps set)."""
 
@@ -110,6 +112,8 @@ class GatewayService:
                 )
                 metrics.sessions_open.set_function(lambda: len(self.sessions or ()))
             app = self._app(lifecycle, admin, engine_model, listing, metrics)
+            for closer in self._closers:
+                stack.push_async_callback(closer)
             await self._listen(app, admin, stack)
             recovering = self._start_background(admin, stack)
             log.info(
@@ -209,7 +213,17 @@ class GatewayService:
             max_depth=section.max_json_depth,
             replica=section.replica,
             sessions=self.sessions,
+            owners=self._owners(),
         )
+
+    def _owners(self) -> SessionOwners | None:
+        """The replicas sharing production sessions, when `gateway.peers` names several."""
+        section = self._config.gateway
+        if self.sessions is None or len(section.peers) < 2:
+            return None
+        owners = SessionOwners(section.peers, section.replica, timeout_s=section.upstream_timeout_s)
+        self._closers.append(owners.aclose)
+        return owners
 
     async def _listen(self, app: GatewayApp, admin: Admin, stack: AsyncExitStack) -> None:
         """Serve `app` on the harness port, and `admin` on the admin port when it is set."""

@@ -123,8 +123,8 @@ async def running_stack(
     engine_url = f"http://127.0.0.1:{engine.port}"
     registry = CollectorRegistry()
     gateway.setdefault("engines", [engine_url])
+    gateway.setdefault("port", 0)
     section = GatewaySection(
-        port=0,
         token_secret=SecretStr(SECRET),
         admin_token=SecretStr(ADMIN),
         **gateway,

@@ -3,6 +3,7 @@ on the real broker, engine and gateway (services/gateway/production_sessions.py)
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,13 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
 
 from harnessrl import events
-from harnessrl.broker import EmbeddedBroker
+from harnessrl.broker import EmbeddedBroker, free_ports
+from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
 from harnessrl.production import (
     AppSpec,
     ProductionSection,
@@ -22,9 +27,13 @@ from harnessrl.production import (
     key_digest,
     session_traceparent,
 )
+from harnessrl.runtime import Runtime
+from harnessrl.services.gateway.config import GatewayConfig, GatewayPeer, GatewaySection
+from harnessrl.services.gateway.service import GatewayService
+from harnessrl.services.gateway.session_owners import SessionOwners
 from harnessrl.v1 import events_pb2 as pb
-from tests.helpers import events_on, eventually
-from tests.integration.gateway_stack import Stack, running_stack
+from tests.helpers import FAST_GROUP, events_on, eventually
+from tests.integration.gateway_stack import ADMIN, SECRET, Stack, running_stack
 from tests.model_helpers import TINY
 
 KEY = "hrl-app-key-support-0123456789abcdef"
@@ -233,3 +242,74 @@ async def test_bad_session_requests_are_refused_naming_the_field_and_capture_not
     assert field in answer.json()["error"]["message"]
     assert await stack.calls() == []
     assert await _episodes(stack) == []
+
+
+async def test_a_session_reaching_a_replica_that_does_not_own_it_is_forwarded_to_its_owner(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    port_a, port_b = free_ports(2)
+    peers = [
+        GatewayPeer(name="gw-a", url=f"http://127.0.0.1:{port_a}"),
+        GatewayPeer(name="gw-b", url=f"http://127.0.0.1:{port_b}"),
+    ]
+    owners = SessionOwners(peers, "gw-a", timeout_s=5)
+    theirs = next(f"s-{i}" for i in range(100) if owners.owner(f"s.support.s-{i}") == "gw-b")
+    ours = next(f"s-{i}" for i in range(100) if owners.owner(f"s.support.s-{i}") == "gw-a")
+    await owners.aclose()
+    production = _production()
+    async with running_stack(
+        broker, tmp_path, TINY, production=production, replica="gw-a", port=port_a, peers=peers
+    ) as a:
+        config = GatewayConfig(
+            instance="gw-b",
+            kafka=KafkaSettings(bootstrap_servers=broker.bootstrap, partitions=3),
+            consumer=ConsumerSettings(**FAST_GROUP),
+            producer=ProducerSettings(spill_dir=tmp_path / "gw-b-spill"),
+            gateway=GatewaySection(
+                port=port_b,
+                token_secret=SecretStr(SECRET),
+                admin_token=SecretStr(ADMIN),
+                engines=[a.engine_url],
+                replica="gw-b",
+                peers=peers,
+            ),
+            production=production,
+        )
+        b = GatewayService(
+            config, Runtime("gateway", "gw-b", CollectorRegistry(), TracerProvider())
+        )
+        running = asyncio.create_task(b.run())
+        try:
+            await asyncio.wait_for(b.ready.wait(), 60)
+            # The app knows one address, gw-a's; both sessions are answered through it.
+            for session in (theirs, ours):
+                client = openai.AsyncOpenAI(
+                    base_url=f"{a.gateway_url}/s/{session}/v1", api_key=KEY, max_retries=0
+                )
+                await client.chat.completions.create(model="m", messages=QUESTION, max_tokens=4)
+                stream = await client.chat.completions.create(
+                    model="m", messages=QUESTION, max_tokens=4, stream=True
+                )
+                assert [chunk async for chunk in stream]
+            async with httpx.AsyncClient() as http:
+                ended = await http.post(
+                    f"{a.gateway_url}/sessions/{theirs}/end",
+                    headers={"authorization": f"Bearer {KEY}"},
+                )
+                # A request another replica forwarded is never forwarded again.
+                looped = await http.post(
+                    f"{a.gateway_url}/s/{theirs}/v1/chat/completions",
+                    headers={"authorization": f"Bearer {KEY}", "x-harnessrl-forwarded-by": "gw-b"},
+                    json={"model": "m", "messages": QUESTION, "max_tokens": 4},
+                )
+            assert ended.status_code == 200 and ended.json()["call_count"] == 2
+            assert looped.status_code == 503 and "gateway.peers" in looped.text
+            calls = await a.calls(at_least=4)
+            owner_of = {c.episode_id: c.gateway for c in calls}
+            assert owner_of == {f"s.support.{theirs}": "gw-b", f"s.support.{ours}": "gw-a"}
+            assert sorted((c.episode_id, c.seq) for c in calls) == sorted(
+                (f"s.support.{s}", q) for s in (theirs, ours) for q in (0, 1)
+            )
+        finally:
+            await b.stop()
+            await running
