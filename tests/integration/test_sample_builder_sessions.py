@@ -1,0 +1,194 @@
+"""Production sessions through the sample builder on the real broker: parked on disk while
+they wait for their reward (their records released, nothing held in memory), built exactly
+once when it comes, across restarts and redeliveries, and published again from the store's
+outbox after a crash between the build and the acknowledgement."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+from google.protobuf.message import Message
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CollectorRegistry
+
+from harnessrl import events
+from harnessrl.broker import EmbeddedBroker
+from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
+from harnessrl.production import AppSpec, ProductionSection, key_digest
+from harnessrl.runtime import Runtime
+from harnessrl.services.sample_builder.config import SampleBuilderConfig, SampleBuilderSection
+from harnessrl.services.sample_builder.service import GROUP, SampleBuilderService
+from harnessrl.services.sample_builder.session_store import SessionStore
+from harnessrl.v1 import events_pb2 as pb
+from tests.helpers import FAST_GROUP, committed_offsets, eventually, topic_size
+from tests.integration.test_sample_builder import publish, samples_on_topic
+from tests.unit.test_session_samples import GROUP as SESSION
+from tests.unit.test_session_samples import reward_event, session_events
+
+pytestmark = pytest.mark.integration
+
+TURNS = (("thumbs", 1.0, ""), ("thumbs", -1.0, "resp-1"))
+"""The user liked the session, and disliked its second answer."""
+
+
+@asynccontextmanager
+async def session_builder(
+    broker: EmbeddedBroker, tmp_path: Path, name: str, registry: CollectorRegistry
+) -> AsyncIterator[SampleBuilderService]:
+    """A sample builder serving the app `desk`, its session store under tmp_path."""
+    config = SampleBuilderConfig(
+        instance=name,
+        kafka=KafkaSettings(bootstrap_servers=broker.bootstrap, partitions=3),
+        consumer=ConsumerSettings(**FAST_GROUP),
+        producer=ProducerSettings(spill_dir=tmp_path / f"{name}-spill"),
+        sample_builder=SampleBuilderSection(port=0, sweep_interval_s=0.2),
+        production=ProductionSection(
+            apps=[AppSpec(name="desk", key_sha256=key_digest("desk-key"))],
+            store=tmp_path / "sessions",
+        ),
+    )
+    runtime = Runtime("sample-builder", name, registry, TracerProvider())
+    service = SampleBuilderService(config, runtime)
+    task = asyncio.create_task(service.run())
+    await asyncio.wait_for(service.ready.wait(), 60)
+    try:
+        yield service
+    finally:
+        await service.stop()
+        await task
+
+
+def events_only(items: list[tuple[str, Message]]) -> list[Message]:
+    return [event for _, event in items]
+
+
+def count(registry: CollectorRegistry, outcome: str) -> float:
+    value = registry.get_sample_value(
+        "harnessrl_samples_session_events_total", {"outcome": outcome}
+    )
+    return value or 0.0
+
+
+async def parked(registry: CollectorRegistry, n: int) -> None:
+    async def stored() -> bool:
+        return count(registry, "stored") >= n
+
+    await eventually(stored, timeout=60, interval=0.1)
+
+
+def check_credit(group: pb.GroupSamples) -> None:
+    """The session's advantage everywhere, the disliked answer's tokens lowered by its own."""
+    assert group.group_id == SESSION and group.estimator == "session_baseline"
+    (sample,) = group.samples
+    calls = {e.seq: e for e in events_only(session_events()) if isinstance(e, pb.ModelCall)}
+    assert sample.advantage == pytest.approx(1.0)  # the app's first session: m = 0
+    mask = np.array(sample.loss_mask)
+    per_token = np.array(sample.advantages, dtype=np.float32)
+    start = len(calls[1].prompt_token_ids)
+    end = start + len(calls[1].completion_token_ids)
+    assert np.allclose(per_token[start:end], 1.0 + -1.0)
+    assert np.allclose(
+        np.delete(per_token, range(start, end))[np.delete(mask, range(start, end))], 1.0
+    )
+    assert np.all(per_token[~mask] == 0)
+    assert (
+        group.books.captured
+        == group.books.trained
+        == sum(len(c.completion_token_ids) for c in calls.values())
+    )
+
+
+async def test_a_session_waits_on_disk_and_its_reward_builds_it_once(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    registry = CollectorRegistry()
+    waiting = events_only(session_events(reward=None))
+    async with session_builder(broker, tmp_path, "sb-s", registry) as service:
+        await publish(broker, tmp_path, waiting)
+        await parked(registry, len(waiting))
+        # Nothing of the waiting session is in memory, and its records are released.
+        assert service._groups == {} and service._holds == {}
+
+        async def released() -> bool:
+            offsets = await committed_offsets(broker.bootstrap, GROUP, events.CALLS)
+            return sum(offsets.values()) == 4  # three calls and the close
+
+        await eventually(released, timeout=30, interval=0.2)
+        assert await topic_size(broker.bootstrap, events.SAMPLES) == 0
+        reward = reward_event(1.0, TURNS, group=SESSION)
+        await publish(broker, tmp_path, [reward])
+        (group,) = await samples_on_topic(broker, 1)
+        check_credit(group)
+        # The reward again (a redelivery), and a late call copy: nothing new.
+        await publish(broker, tmp_path, [reward, waiting[1]])
+
+        async def ignored() -> bool:
+            return count(registry, "late") == 2
+
+        await eventually(ignored, timeout=30, interval=0.1)
+        await asyncio.sleep(0.5)
+        assert await topic_size(broker.bootstrap, events.SAMPLES) == 1
+
+        async def settled() -> bool:
+            value = registry.get_sample_value
+            return value("harnessrl_samples_sessions", {"state": "published"}) == 1
+
+        await eventually(settled, timeout=30, interval=0.1)
+    store = SessionStore(tmp_path / "sessions")
+    assert store.parked_events() == 0 and store.counts()["published"] == 1
+    store.close()
+
+
+async def test_a_restart_while_a_session_waits_still_builds_it_once_from_its_reward(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    waiting = events_only(session_events(reward=None))
+    first = CollectorRegistry()
+    async with session_builder(broker, tmp_path, "sb-a", first):
+        await publish(broker, tmp_path, waiting)
+        await parked(first, len(waiting))
+    second = CollectorRegistry()
+    async with session_builder(broker, tmp_path, "sb-b", second) as service:
+        reward = reward_event(1.0, TURNS, group=SESSION)
+        await publish(broker, tmp_path, [reward, reward])
+        (group,) = await samples_on_topic(broker, 1)
+        check_credit(group)
+        assert service._groups == {}
+        await asyncio.sleep(1.0)
+        assert await topic_size(broker.bootstrap, events.SAMPLES) == 1
+        # The waiting events were released before the restart: not read again.
+        assert count(second, "stored") == 1
+
+
+async def test_samples_built_before_a_crash_are_published_again_byte_for_byte(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """The crash is staged in the store: a session built (its bytes and baselines committed)
+    whose publication was never acknowledged."""
+    store = SessionStore(tmp_path / "sessions")
+    for kind, event in session_events():
+        store.add(kind, event, 1.0)
+    built = pb.GroupSamples(group_id=SESSION, estimator="session_baseline", span_id="ab" * 8)
+    built.samples.add(sample_id=f"{SESSION}/1/0", token_ids=[1, 2, 3], advantages=[0, 1, 2])
+    built.books.dropped["retried"] = 3
+    data = built.SerializeToString(deterministic=True)
+    assert store.decide(SESSION, data, b'[[["desk","",""],1,1.0,0.0]]', 2.0)
+    store.close()
+    registry = CollectorRegistry()
+    async with session_builder(broker, tmp_path, "sb-r", registry):
+        (group,) = await samples_on_topic(broker, 1)
+        assert group.SerializeToString(deterministic=True) == data
+
+        async def settled() -> bool:
+            value = registry.get_sample_value
+            return value("harnessrl_samples_sessions_decided_total", {"outcome": "published"}) == 1
+
+        await eventually(settled, timeout=30, interval=0.1)
+    store = SessionStore(tmp_path / "sessions")
+    assert store.unpublished() == [] and store.parked_events() == 0
+    store.close()
