@@ -234,7 +234,7 @@ class FeedbackJoin:
     async def settle(self, group_ids: Sequence[str]) -> None:
         """Decide those of the sessions that can be decided now (stored before this
         returns), and publish their rewards in the background."""
-        decided = await self._decide(group_ids)
+        decided = self._claim(await self._decide(group_ids))
         if decided:
             task = asyncio.create_task(self._publish(decided), name="publish session rewards")
             self._tasks.add(task)
@@ -245,11 +245,14 @@ class FeedbackJoin:
         acknowledged, delete what is past retention; each in batches of a bounded size."""
         now = self._clock()
         while due := await self._store.call(FeedbackStore.due, now, _BATCH):
-            await self._publish(await self._decide(due, now))
+            decided = self._claim(await self._decide(due, now))
+            await self._publish(decided)
+            if len(due) < _BATCH or not decided:  # a judge that waits must not spin here
+                break
         after = ""
         while batch := await self._store.call(FeedbackStore.unpublished, after, _BATCH):
             after = batch[-1][0]
-            await self._publish([item for item in batch if item[0] not in self._publishing])
+            await self._publish(self._claim(batch))
         before = now - self._production.retention_s
         while (deleted := await self._store.call(FeedbackStore.expire, before, _BATCH)) > 0:
             log.info("feedback sessions past retention deleted", sessions=deleted)
@@ -300,13 +303,24 @@ class FeedbackJoin:
             )
         return decided
 
+    def _claim(self, items: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        """Those of `items` nobody is publishing, now claimed (released by _publish).
+
+        Called right after the store answered, with no await in between; the store's one
+        thread answers in order and the loop resumes its callers in that order, so a sweep
+        that read a reward as unpublished sees it claimed until it is marked published, and
+        one that reads after the mark does not see it: a reward is never sent twice at once.
+        """
+        fresh = [item for item in items if item[0] not in self._publishing]
+        self._publishing.update(group_id for group_id, _ in fresh)
+        return fresh
+
     async def _publish(self, items: Sequence[tuple[str, bytes]]) -> None:
-        """Publish stored rewards and mark those the broker acknowledged. One that fails is
+        """Publish claimed rewards and mark those the broker acknowledged. One that fails is
         logged and left decided: the next sweep publishes it again."""
         if not items:
             return
         group_ids = [group_id for group_id, _ in items]
-        self._publishing.update(group_ids)
         try:
             results = await asyncio.gather(
                 *(self._send(data) for _, data in items), return_exceptions=True

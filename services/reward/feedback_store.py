@@ -199,7 +199,7 @@ class FeedbackStore:
             cursor = db.executemany(
                 f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?) "
                 "ON CONFLICT (group_id) DO NOTHING",
-                (_session_row(s) for s in sessions),
+                (_row(s) for s in sessions),
             )
             return max(cursor.rowcount, 0)
 
@@ -213,7 +213,7 @@ class FeedbackStore:
                 f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?) "
                 "ON CONFLICT (group_id) DO UPDATE SET ended_at = excluded.ended_at, "
                 "ended_by = excluded.ended_by WHERE sessions.ended_at IS NULL",
-                _session_row(session),
+                _row(session),
             )
             return cursor.rowcount > 0
 
@@ -330,11 +330,6 @@ class FeedbackStore:
             db.executemany("DELETE FROM sessions WHERE group_id = ?", old)
             return len(old)
 
-    def plan(self, sql: str, *params: object) -> str:
-        """SQLite's query plan for `sql` (tests check the questions above use an index)."""
-        rows = self._db.execute(f"EXPLAIN QUERY PLAN {sql}", params).fetchall()
-        return "\n".join(str(row[-1]) for row in rows)
-
 
 def _step(db: sqlite3.Connection, group_id: str, old: str, new: str, **values: object) -> None:
     assert _STEPS[old] == new, f"{old} -> {new} is not a session transition"
@@ -360,21 +355,11 @@ def _same_content(held: StoredSignal, offered: StoredSignal) -> bool:
     )
 
 
-def _session_row(s: SessionRecord) -> tuple[object, ...]:
-    return (
-        s.group_id,
-        s.app,
-        s.session_id,
-        s.kind,
-        int(s.explored),
-        s.trace_id,
-        s.started_at,
-        s.ended_at,
-        s.ended_by,
-        s.state,
-        s.decided_at,
-        s.reward,
-    )
+def _row(s: SessionRecord) -> tuple[object, ...]:
+    """The session as a row of _SESSION_COLUMNS (not dataclasses.astuple, which deep-copies
+    every value of every row)."""
+    return (s.group_id, s.app, s.session_id, s.kind, s.explored, s.trace_id, s.started_at,
+            s.ended_at, s.ended_by, s.state, s.decided_at, s.reward)  # fmt: skip
 
 
 def _session(row: tuple[Any, ...]) -> SessionRecord:

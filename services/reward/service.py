@@ -123,7 +123,8 @@ class RewardService:
             async for _, event, _ in read_to_end(
                 config.kafka, events.REWARDS, client_id=f"{runtime.producer_name}/rebuild"
             ):
-                if isinstance(event, pb.RewardAssigned):
+                # Sessions' rewards are the feedback store's to remember, not this set's.
+                if isinstance(event, pb.RewardAssigned) and not event.HasField("session"):
                     self._scored.add((event.episode_id, event.attempt))
             if config.production.apps:
                 await self._start_feedback(stack)

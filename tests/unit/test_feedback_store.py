@@ -4,6 +4,7 @@ window, idempotency, arrival order, restart, retention, and flat memory at 100k 
 from __future__ import annotations
 
 import gc
+import sqlite3
 import tracemalloc
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from harnessrl.services.reward.feedback_store import (
     MAX_SIGNALS_PER_SESSION,
+    STORE_FILE,
     FeedbackStore,
     SessionRecord,
     StoredSignal,
@@ -153,21 +155,37 @@ def test_retention_deletes_old_sessions_and_their_signals(store: FeedbackStore) 
     assert sum(store.counts.values()) == 0
 
 
-def test_the_questions_about_many_sessions_are_indexed(store: FeedbackStore) -> None:
-    due = store.plan(
+def plan(path: Path, sql: str, *params: object) -> str:
+    """SQLite's query plan for `sql` on the store's file."""
+    db = sqlite3.connect(path / STORE_FILE)
+    try:
+        return "\n".join(str(row[-1]) for row in db.execute(f"EXPLAIN QUERY PLAN {sql}", params))
+    finally:
+        db.close()
+
+
+def test_the_questions_about_many_sessions_are_indexed(
+    store: FeedbackStore, tmp_path: Path
+) -> None:
+    due = plan(
+        tmp_path / "sessions",
         "SELECT group_id FROM sessions WHERE state = 'awaiting' AND ended_at IS NOT NULL "
         "AND ended_at <= ? ORDER BY ended_at LIMIT ?",
         T0,
         10,
     )
-    unpublished = store.plan(
+    unpublished = plan(
+        tmp_path / "sessions",
         "SELECT group_id, reward FROM sessions WHERE state = 'decided' AND group_id > ? "
         "ORDER BY group_id LIMIT ?",
         "",
         10,
     )
-    old = store.plan(
-        "SELECT group_id FROM sessions WHERE coalesce(ended_at, started_at) < ? LIMIT ?", T0, 10
+    old = plan(
+        tmp_path / "sessions",
+        "SELECT group_id FROM sessions WHERE coalesce(ended_at, started_at) < ? LIMIT ?",
+        T0,
+        10,
     )
     assert "USING INDEX sessions_due" in due
     assert "USING INDEX sessions_unpublished" in unpublished
