@@ -27,7 +27,7 @@ from harnessrl import events
 from harnessrl.bus import Context, Hold
 from harnessrl.bus.snapshot import read_keys
 from harnessrl.logs import get_logger
-from harnessrl.retry import PermanentError, RetryableError
+from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
 from harnessrl.service_bus import ServiceBus, Subscription
 from harnessrl.services.sample_builder.config import SampleBuilderConfig
@@ -195,8 +195,8 @@ class SampleBuilderService:
             if self._sessions is not None:
                 try:
                     await self._sessions.sweep()
-                except RetryableError as err:  # the store was busy: tried again next tick
-                    log.warning("session sweep failed", error=repr(err))
+                except Exception as err:  # a loop boundary: tried again at the next tick
+                    log.error("session sweep failed", error=repr(err))
             now = time.monotonic()
             for group_id, group in list(self._groups.items()):
                 if now - group.first_seen > settings.group_timeout_s:

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from harnessrl import events
 from harnessrl.broker import EmbeddedBroker
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
-from harnessrl.production import AppSpec, ProductionSection, key_digest
+from harnessrl.production import AppSpec, FeedbackSection, ProductionSection, key_digest
 from harnessrl.runtime import Runtime
 from harnessrl.services.sample_builder.config import SampleBuilderConfig, SampleBuilderSection
 from harnessrl.services.sample_builder.service import GROUP, SampleBuilderService
@@ -38,7 +38,11 @@ TURNS = (("thumbs", 1.0, ""), ("thumbs", -1.0, "resp-1"))
 
 @asynccontextmanager
 async def session_builder(
-    broker: EmbeddedBroker, tmp_path: Path, name: str, registry: CollectorRegistry
+    broker: EmbeddedBroker,
+    tmp_path: Path,
+    name: str,
+    registry: CollectorRegistry,
+    retention_s: float = 30 * 86_400.0,
 ) -> AsyncIterator[SampleBuilderService]:
     """A sample builder serving the app `desk`, its session store under tmp_path."""
     config = SampleBuilderConfig(
@@ -50,6 +54,8 @@ async def session_builder(
         production=ProductionSection(
             apps=[AppSpec(name="desk", key_sha256=key_digest("desk-key"))],
             store=tmp_path / "sessions",
+            retention_s=retention_s,
+            feedback=FeedbackSection(window_s=min(retention_s, 86_400.0)),
         ),
     )
     runtime = Runtime("sample-builder", name, registry, TracerProvider())
@@ -192,3 +198,34 @@ async def test_samples_built_before_a_crash_are_published_again_byte_for_byte(
     store = SessionStore(tmp_path / "sessions")
     assert store.unpublished() == [] and store.parked_events() == 0
     store.close()
+
+
+async def test_a_session_waiting_past_its_retention_is_dropped_and_purged(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    registry = CollectorRegistry()
+    waiting = events_only(session_events(reward=None))
+    async with session_builder(broker, tmp_path, "sb-x", registry, retention_s=1.0):
+        await publish(broker, tmp_path, waiting)
+
+        async def expired() -> bool:
+            value = registry.get_sample_value
+            return value("harnessrl_samples_sessions_decided_total", {"outcome": "expired"}) == 1
+
+        await eventually(expired, timeout=30, interval=0.1)
+        value = registry.get_sample_value
+        tokens = sum(len(e.completion_token_ids) for e in waiting if isinstance(e, pb.ModelCall))
+        assert (
+            value("harnessrl_samples_completion_tokens_total", {"outcome": "reward_missing"})
+            == tokens
+        )
+
+        async def purged() -> bool:
+            store = SessionStore(tmp_path / "sessions")
+            try:
+                return store.session(SESSION) is None and store.parked_events() == 0
+            finally:
+                store.close()
+
+        await eventually(purged, timeout=30, interval=0.2)
+        assert await topic_size(broker.bootstrap, events.SAMPLES) == 0

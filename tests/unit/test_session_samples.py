@@ -345,3 +345,16 @@ def test_packing_refuses_per_token_advantages_of_another_length_or_not_finite(
     )  # fmt: skip
     with pytest.raises(ValueError, match=message):
         SampleArrays.from_proto(sample)
+
+
+def test_a_session_group_of_two_episodes_is_dropped_as_invalid() -> None:
+    items = session_events()
+    other = [(k, e) for k, e in session_events(group=GROUP) if k != "episode_started"]
+    for _, event in other:
+        event.episode_id = f"{GROUP}-other"  # type: ignore[attr-defined]
+    state = baselines()
+    result = built_of([*items, *other], state)
+    built = result.built
+    assert built.samples is None and built.dropped == "invalid"
+    assert dict(built.books.dropped) == {"invalid": 2 * captured(items)} and balanced(built.books)
+    assert len(state) == 0

@@ -22,8 +22,9 @@ whose reward R was decided:
   taken in response-id order). Every sample carries `advantage = A`; a sample holding the
   completion of a call whose `response_id` is a credited turn also carries `advantages`, one
   per token: A_t on that call's completion tokens, A on the sample's other loss-mask tokens,
-  0 off the mask. A turn that no call of the session answered is counted
-  (`SessionBuilt.unmatched_turns`), never credited and never learnt by a baseline.
+  0 off the mask. A turn that no call of the session answered (or whose reward is not a
+  finite number) is counted (`SessionBuilt.unmatched_turns`), never credited and never
+  learnt by a baseline.
 
 The baselines are read and then advanced in that order (the session, then its credited
 turns), once per build: the caller keeps the advanced state only when it keeps the result.
@@ -33,6 +34,7 @@ bytes and the same baseline state.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -92,12 +94,14 @@ def build_session(
     (see the module docstring). `expired`: the session waited past its retention and is
     built from what arrived (dropped: `reward_missing` when only its reward is missing,
     else `incomplete:<what>`); `unfinished` are the calls it holds when no EpisodeFinished
-    arrived (not an episode of the group yet: their tokens are dropped as incomplete).
-    Raises ValueError when the group has more than one episode."""
+    arrived (not an episode of the group yet: their tokens are dropped as incomplete). A
+    group of several episodes is no session: each is dropped as `invalid`."""
     episodes = group.episodes()
-    if len(episodes) > 1:
-        raise ValueError(f"group {group.group_id}: a session has one episode, not {len(episodes)}")
     built = Built(samples=None)
+    if len(episodes) > 1:
+        for episode in episodes:
+            _drop(built, episode, "invalid:episodes")
+        return SessionBuilt(built)
     if not episodes:  # it never finished: only calls arrived before it expired
         return SessionBuilt(_drop_unfinished(built, unfinished))
     (episode,) = episodes
@@ -124,7 +128,7 @@ def build_session(
     credit = session_reward([_signal(s) for s in reward.signals], feedback).turns
     answered = {c.response_id for c in episode.every_call if c.response_id}
     for response_id, value in credit.items():  # sorted by response id
-        if response_id not in answered:
+        if response_id not in answered or not math.isfinite(value):
             out.unmatched_turns += 1
             continue
         turn = baselines.advantage(session_keys(app, out.kind, "turn"), value)
