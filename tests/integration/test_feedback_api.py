@@ -126,6 +126,21 @@ def finished(app: str, session: str, ago_s: float = 0.0) -> pb.EpisodeFinished:
     return event
 
 
+def controller_episode(episode_id: str) -> pb.EpisodeFinished:
+    """A controller's episode, scored by the configured reward (builtin:answer) as before."""
+    return pb.EpisodeFinished(
+        episode_id=episode_id,
+        attempt=1,
+        group_id=episode_id.rsplit("-", 1)[0],
+        task_id="t",
+        mode=pb.MODE_TRAIN,
+        status=pb.EPISODE_STATUS_SUCCEEDED,
+        result_json='{"answer": "42"}',
+        final=True,
+        task_metadata_json='{"answer": "42"}',
+    )
+
+
 async def publish(broker: EmbeddedBroker, tmp_path: Path, *items: Any) -> None:
     producer = Producer(
         KafkaSettings(bootstrap_servers=broker.bootstrap),
@@ -277,8 +292,10 @@ async def test_a_signal_after_the_end_decides_the_session_and_publishes_one_rewa
         assert reused["duplicate"] is True and "other content" in reused["message"]
         await known(client, "chat-7", "published")
         shown = (await client.get("/v1/sessions/chat-7", headers=desk())).json()
+        await publish(broker, tmp_path, controller_episode("g1-0"))
         sessions = registry.get_sample_value("harnessrl_feedback_sessions", {"state": "published"})
-    got = await rewards(broker, 1)
+    got = await rewards(broker, 2)
+    assert (got["g1-0"].source, got["g1-0"].value) == ("builtin:answer", 1.0)  # as ever
     reward = got["s.desk.chat-7"]
     trace_id = session_traceparent("desk", "chat-7").split("-")[1]
     # resolved 0 (weight 3) is session-wide; thumbs names a response: R is resolved's value.

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from harnessrl.production import FeedbackSection, SignalRule
+from harnessrl.services.reward.feedback_join import reward_of
 from harnessrl.services.reward.feedback_store import (
     MAX_SIGNALS_PER_SESSION,
     STORE_FILE,
@@ -17,8 +19,13 @@ from harnessrl.services.reward.feedback_store import (
     SessionRecord,
     StoredSignal,
 )
+from harnessrl.v1 import events_pb2 as pb
 
 WINDOW = 100.0
+RULES = FeedbackSection(
+    signals={"thumbs": SignalRule(min=-1, max=1, required=True), "resolved": SignalRule(weight=3)},
+    window_s=WINDOW,
+)
 T0 = 1_800_000_000.0
 
 
@@ -209,3 +216,41 @@ def test_a_hundred_thousand_waiting_sessions_keep_no_python_objects(store: Feedb
     # A Python object per session would hold at least 100 bytes each: 10 MB.
     assert held - base < 512 * 1024, "memory grows with the sessions stored"
     assert peak - base < 4 * 1024 * 1024
+
+
+def judge(record: SessionRecord, signals: list[StoredSignal], now: float) -> bytes | None:
+    reward = reward_of(record, signals, RULES, now)
+    return None if reward is None else reward.SerializeToString(deterministic=True)
+
+
+def test_the_stored_reward_is_the_feedback_rule_applied_to_the_stored_signals(
+    store: FeedbackStore,
+) -> None:
+    store.register([session()])
+    store.add_signal("s.desk.sess-0", signal("r", T0 + 1, name="resolved", value=0.0))
+    store.end(session(ended_at=T0 + 2))
+    assert store.decide(["s.desk.sess-0"], T0 + 3, judge) == []  # thumbs is required
+    store.add_signal("s.desk.sess-0", signal("t", T0 + 4, value=1.0))
+    [(_, data)] = store.decide(["s.desk.sess-0"], T0 + 5, judge)
+    reward = pb.RewardAssigned.FromString(data)
+    assert (reward.value, reward.missing, reward.source) == (0.25, False, "feedback")
+    assert dict(reward.components) == {"resolved": 0.0, "thumbs": 1.0}
+    assert [s.idempotency_key for s in reward.signals] == ["r", "t"]
+    assert reward.decided_at.ToNanoseconds() == int((T0 + 5) * 1e9)
+    again = judge(session(ended_at=T0 + 2), store.signals("s.desk.sess-0"), T0 + 5)
+    assert again == data  # deterministic: a republication sends the same bytes
+
+
+def test_a_window_that_ends_without_the_required_signal_decides_by_at_window_end(
+    store: FeedbackStore,
+) -> None:
+    store.register([session(0), session(1)])
+    store.add_signal("s.desk.sess-1", signal("r", T0 + 1, name="resolved", value=1.0))
+    store.end(session(0, ended_at=T0 + 2))
+    store.end(session(1, ended_at=T0 + 2))
+    due = store.due(T0 + 2 + WINDOW, 10)
+    decided = dict(store.decide(due, T0 + 2 + WINDOW, judge))
+    empty = pb.RewardAssigned.FromString(decided["s.desk.sess-0"])
+    partial = pb.RewardAssigned.FromString(decided["s.desk.sess-1"])
+    assert empty.missing and "no feedback within the window" in empty.message
+    assert (partial.missing, partial.value) == (False, 1.0)  # at_window_end: train
