@@ -20,6 +20,7 @@ from harnessrl.bus import Context, Hold
 from harnessrl.bus.snapshot import read_to_end
 from harnessrl.logs import get_logger
 from harnessrl.metrics import Labelled
+from harnessrl.production import SESSION_PREFIX, parse_session_group
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
 from harnessrl.service_bus import Handlers, ServiceBus, Subscription
@@ -205,6 +206,11 @@ class ControllerService:
                 raise PermanentError(f"TaskSubmitted.{name}: required")
         if task.split == pb.MODE_UNSPECIFIED:
             raise PermanentError("TaskSubmitted.split: required (train or val)")
+        if parse_session_group(task.group_id) is not None:
+            raise PermanentError(
+                f"TaskSubmitted.group_id: {task.group_id!r} is in the production sessions' "
+                f"namespace ({SESSION_PREFIX}<app>.<session>); choose another"
+            )
         try:
             orjson.loads(task.input_json)
             metadata = orjson.loads(task.metadata_json or "{}")

@@ -93,6 +93,11 @@ class TrainerSection(ServiceSection):
     """Padded tokens per forward/backward pass (gradients accumulate across them)."""
     max_staleness: int = Field(default=2, ge=0)
     """Samples whose oldest call is more than this many versions behind are dropped."""
+    max_session_staleness: int = Field(default=64, ge=0)
+    """The same bound for a production session's samples, whose feedback arrives hours
+    later: beyond it they are dropped as too_stale (counted); within it the clipped,
+    importance-weighted loss corrects with the recorded behaviour log-probs. The trainer
+    remembers what it trained for the larger of the two bounds."""
     lr: float = Field(default=1e-6, gt=0)
     """AdamW learning rate after warm-up."""
     weight_decay: float = Field(default=0.0, ge=0)

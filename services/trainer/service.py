@@ -59,9 +59,10 @@ class TrainerService:
             batch_groups=self._settings.batch_groups,
             batch_tokens=self._settings.batch_tokens,
             max_staleness=self._settings.max_staleness,
+            max_session_staleness=self._settings.max_session_staleness,
         )
         self._ledger: DeliveryLedger[Hold] = DeliveryLedger(
-            max_staleness=self._settings.max_staleness
+            max_staleness=self._batcher.staleness.remembered
         )
         """What was offered, trained and checkpointed; holds records until a checkpoint."""
         self.step = 0

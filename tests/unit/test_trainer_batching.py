@@ -48,3 +48,22 @@ def test_one_rule_decides_staleness_at_arrival_and_when_taken() -> None:
     assert batcher.add(group("a", 4), version=5, trained=set())
     assert not batcher.add(group("b", 3), version=5, trained=set(), horizon=4)
     assert batcher.take(version=5).samples[0].sample_id == "a/0"
+
+
+def test_a_production_sessions_samples_have_a_staleness_bound_of_their_own() -> None:
+    """Feedback arrives hours later: a session's sample may be many versions old and still
+    train (the clipped importance ratio corrects it); past its own bound it is dropped as
+    too_stale, its tokens counted under that reason."""
+    batcher = Batcher(batch_groups=4, batch_tokens=None, max_staleness=2, max_session_staleness=8)
+    session = group("s.support.t-1", 1)
+    session.estimator = "session_baseline"
+    assert batcher.add(session, version=8, trained=set())  # 7 behind: within 8
+    assert not batcher.add(group("task", 1), version=8, trained=set())  # a task's: stale
+    late = group("s.support.t-2", 1)
+    late.estimator = "session_baseline"
+    assert not batcher.add(late, version=10, trained=set())  # 9 behind
+    assert batcher.dropped_tokens == {"stale": 2, "too_stale": 2}
+    taken = batcher.take(version=10)  # the first grew too old while it waited
+    assert taken.samples == [] and taken.stale == ["s.support.t-1/0"]
+    assert batcher.dropped_tokens["too_stale"] == 4
+    assert batcher.staleness.remembered == 8

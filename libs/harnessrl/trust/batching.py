@@ -3,7 +3,12 @@
 GroupSamples arrive one record per group. A sample already trained on (a re-delivery after
 a restart) is skipped; a stale sample is dropped (counted), when it arrives and again when its
 batch is taken, by one rule (`Staleness`): its oldest call is more than `max_staleness`
-versions behind the current policy, or older than the trainer ledger's horizon. A batch is
+versions behind the current policy, or older than the trainer ledger's horizon. A production
+session's samples (estimator `session_baseline`) wait for feedback that comes hours later,
+so theirs is a bound of their own, `max_session_staleness`, and what passes it is dropped as
+`too_stale`; within it the clipped, importance-weighted loss (loss.py: the ratio of the
+policy's log-prob to the recorded behaviour log-prob, clipped and dual-clipped) corrects for
+the versions in between. A batch is
 due once `batch_groups` groups (or `batch_tokens` tokens) are pending; it is taken whole, in
 arrival order.
 """
@@ -24,12 +29,29 @@ class Staleness:
 
     max_versions: int
     """The most versions a sample's oldest call may be behind the policy it trains."""
+    max_session_versions: int = 0
+    """The same for a production session's sample."""
 
-    def stale(self, version: int, oldest: int, horizon: int = 0) -> bool:
+    def stale(self, version: int, oldest: int, horizon: int = 0, *, session: bool = False) -> bool:
         """Whether a sample whose oldest call was made by policy `oldest` is stale at policy
         `version`; one older than `horizon` (the trainer ledger's, below which it no longer
         remembers what was trained) is stale however large `max_versions` is."""
-        return version - oldest > self.max_versions or oldest < horizon
+        bound = self.max_session_versions if session else self.max_versions
+        return version - oldest > bound or oldest < horizon
+
+    @property
+    def remembered(self) -> int:
+        """Versions back the trainer must remember what it trained (the larger bound)."""
+        return max(self.max_versions, self.max_session_versions)
+
+
+SESSION_ESTIMATOR = "session_baseline"
+"""GroupSamples.estimator of a production session's samples."""
+
+
+def stale_reason(group: pb.GroupSamples) -> str:
+    """The token books' reason for a stale sample of `group`."""
+    return "too_stale" if group.estimator == SESSION_ESTIMATOR else "stale"
 
 
 @dataclass(slots=True)
@@ -40,21 +62,30 @@ class Batch:
     tokens: int = 0
     stale: list[str] = field(default_factory=list)
     """Ids of the samples of `groups` dropped as stale when the batch was taken."""
+    session: bool = False
+    """A production session's group (one entry per group while pending)."""
 
 
 class Batcher:
-    def __init__(self, *, batch_groups: int, batch_tokens: int | None, max_staleness: int) -> None:
+    def __init__(
+        self,
+        *,
+        batch_groups: int,
+        batch_tokens: int | None,
+        max_staleness: int,
+        max_session_staleness: int = 0,
+    ) -> None:
         self._batch_groups = batch_groups
         self._batch_tokens = batch_tokens
-        self.staleness = Staleness(max_staleness)
+        self.staleness = Staleness(max_staleness, max_session_staleness)
         self._horizon = 0
         self._pending: list[Batch] = []
         """One entry per pending group, in arrival order."""
         self.dropped: Counter[str] = Counter()
-        """Samples not trained on, by reason ("stale", "trained")."""
+        """Samples not trained on, by reason ("stale", "too_stale", "trained")."""
         self.dropped_tokens: Counter[str] = Counter()
         """Their loss-mask tokens (the trainer's part of the token books): a sample trained
-        already was counted when it was trained, so only "stale" ones are."""
+        already was counted when it was trained, so only stale ones are."""
 
     def add(
         self, group: pb.GroupSamples, *, version: int, trained: Set[str], horizon: int = 0
@@ -62,16 +93,20 @@ class Batcher:
         """Take a group's samples (idempotent per sample id) at current policy `version`,
         skipping those in `trained` or pending; a sample with a policy_version_min below
         `horizon` is stale however large max_staleness is. Returns the ids taken."""
-        entry = Batch(groups=[group])
+        session = group.estimator == SESSION_ESTIMATOR
+        reason = stale_reason(group)
+        entry = Batch(groups=[group], session=session)
         pending = self.pending_ids()
         for sample in group.samples:
             if sample.sample_id in trained or sample.sample_id in pending:
                 self.dropped["trained"] += 1
                 continue
             self._horizon = max(self._horizon, horizon)
-            if self.staleness.stale(version, sample.policy_version_min, self._horizon):
-                self.dropped["stale"] += 1
-                self.dropped_tokens["stale"] += sum(1 for m in sample.loss_mask if m)
+            if self.staleness.stale(
+                version, sample.policy_version_min, self._horizon, session=session
+            ):
+                self.dropped[reason] += 1
+                self.dropped_tokens[reason] += sum(1 for m in sample.loss_mask if m)
                 continue
             arrays = SampleArrays.from_proto(sample)
             entry.samples.append(arrays)
@@ -107,10 +142,13 @@ class Batcher:
             fresh: list[SampleArrays] = []
             stale: list[SampleArrays] = []
             for s in entry.samples:
-                too_old = self.staleness.stale(version, s.policy_version_min, self._horizon)
+                too_old = self.staleness.stale(
+                    version, s.policy_version_min, self._horizon, session=entry.session
+                )
                 (stale if too_old else fresh).append(s)
-            self.dropped["stale"] += len(stale)
-            self.dropped_tokens["stale"] += sum(int(s.loss_mask.sum()) for s in stale)
+            reason = "too_stale" if entry.session else "stale"
+            self.dropped[reason] += len(stale)
+            self.dropped_tokens[reason] += sum(int(s.loss_mask.sum()) for s in stale)
             batch.samples.extend(fresh)
             batch.stale.extend(s.sample_id for s in stale)
             batch.groups.extend(entry.groups)
