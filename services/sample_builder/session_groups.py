@@ -41,7 +41,7 @@ from harnessrl.telemetry import extract_context
 from harnessrl.trust.group import Group
 from harnessrl.trust.samples import Decode
 from harnessrl.trust.session_baseline import Baselines
-from harnessrl.trust.session_samples import build_session
+from harnessrl.trust.session_samples import SessionBuilt, build_session
 from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)
@@ -193,31 +193,38 @@ class SessionGroups:
                 return  # decided meanwhile (it cannot be: builds hold the lock)
             if samples is not None:
                 self._baselines = baselines
-            log.info(
-                "session built",
-                group_id=group_id,
-                app=app,
-                kind=result.kind,
-                outcome=built.dropped or "emitted",
-                expired=expired,
-                reward=built.rewards[0] if built.rewards else None,
-                advantage=result.advantage,
-                turns_credited=len(result.turns),
-                turns_unmatched=result.unmatched_turns,
-                samples=len(samples.samples) if samples is not None else 0,
-                tokens_captured=built.books.captured,
-                tokens_trained=built.books.trained,
-                tokens_dropped=dict(built.books.dropped),
-            )
+                self._send(group_id, samples)  # in the span: its record carries the trace
+            self._report(result, group, app, expired, time.perf_counter() - started)
+
+    def _report(
+        self, result: SessionBuilt, group: Group, app: str, expired: bool, seconds: float
+    ) -> None:
+        """The log line (with the current trace) and the metrics of one decided session."""
+        built = result.built
+        samples = built.samples
+        log.info(
+            "session built",
+            group_id=group.group_id,
+            app=app,
+            kind=result.kind,
+            outcome=built.dropped or "emitted",
+            expired=expired,
+            reward=built.rewards[0] if built.rewards else None,
+            advantage=result.advantage,
+            turns_credited=len(result.turns),
+            turns_unmatched=result.unmatched_turns,
+            samples=len(samples.samples) if samples is not None else 0,
+            tokens_captured=built.books.captured,
+            tokens_trained=built.books.trained,
+            tokens_dropped=dict(built.books.dropped),
+        )
         metrics = self._metrics
-        metrics.observe(built, group.mode, expired, time.perf_counter() - started)
+        metrics.observe(built, group.mode, expired, seconds)
         metrics.sessions_decided("built" if samples is not None else "dropped").inc()
         if expired:
             metrics.sessions_decided("expired").inc()
         metrics.session_turns("credited").inc(len(result.turns))
         metrics.session_turns("unmatched").inc(result.unmatched_turns)
-        if samples is not None:
-            self._send(group_id, samples)
 
     def _send(self, group_id: str, samples: pb.GroupSamples) -> None:
         delivery = self._publish(samples)

@@ -201,7 +201,9 @@ class SessionStore:
         if row is None:
             return None
         g, state, first_seen, ended_at, call_count, finished, calls, reward = row
-        return SessionRow(g, state, first_seen, ended_at, call_count, bool(finished), calls, reward)
+        return SessionRow(
+            g, state, first_seen, ended_at, call_count, bool(finished), calls, bool(reward)
+        )
 
     def load(self, group_id: str) -> list[tuple[str, Message]]:
         """(kind, event) of every parked event of the session, in arrival order."""

@@ -19,7 +19,13 @@ from prometheus_client import CollectorRegistry
 from harnessrl import events
 from harnessrl.broker import EmbeddedBroker
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
-from harnessrl.production import AppSpec, FeedbackSection, ProductionSection, key_digest
+from harnessrl.production import (
+    AppSpec,
+    FeedbackSection,
+    ProductionSection,
+    key_digest,
+    session_traceparent,
+)
 from harnessrl.runtime import Runtime
 from harnessrl.services.sample_builder.config import SampleBuilderConfig, SampleBuilderSection
 from harnessrl.services.sample_builder.service import GROUP, SampleBuilderService
@@ -90,6 +96,8 @@ async def parked(registry: CollectorRegistry, n: int) -> None:
 def check_credit(group: pb.GroupSamples) -> None:
     """The session's advantage everywhere, the disliked answer's tokens lowered by its own."""
     assert group.group_id == SESSION and group.estimator == "session_baseline"
+    # Built in the session's own trace, which every call and feedback signal shares.
+    assert group.trace_id == session_traceparent("desk", "chat-1").split("-")[1]
     (sample,) = group.samples
     calls = {e.seq: e for e in events_only(session_events()) if isinstance(e, pb.ModelCall)}
     assert sample.advantage == pytest.approx(1.0)  # the app's first session: m = 0
