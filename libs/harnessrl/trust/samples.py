@@ -94,6 +94,8 @@ class Built:
 
 @dataclass(frozen=True, slots=True)
 class KeptEpisode:
+    """An episode to be trained: its reward and its merged (maybe truncated) chains."""
+
     episode: GroupEpisode
     reward: float
     segments: list[Segment]
@@ -293,6 +295,7 @@ def to_call(call: pb.ModelCall) -> Call:
 def fill_sample(
     sample: pb.Sample, kept: KeptEpisode, index: int, segment: Segment, advantage: float
 ) -> None:
+    """Write chain `index` of a kept episode into `sample`, `advantage` on all its tokens."""
     episode = kept.episode
     sample.sample_id = f"{episode.episode_id}/{episode.attempt}/{index}"
     sample.episode_id = episode.episode_id
