@@ -108,6 +108,13 @@ def _routes() -> dict[type[Message], _Route]:
             lambda e: f"policy-loaded/{e.version}/{e.engine}",
         ),
         (pb.ControlCommand, POLICY, "control_command", lambda e: f"control/{e.command_id}"),
+        (pb.SessionDeleted, POLICY, "session_deleted", lambda e: f"session-deleted/{e.group_id}"),
+        (
+            pb.SessionDeletionApplied,
+            POLICY,
+            "session_deletion_applied",
+            lambda e: f"session-deletion-applied/{e.group_id}",
+        ),
     ]
     routes = {}
     for cls, topic, field, identity in table:

@@ -1223,6 +1223,7 @@ class PolicyVersion(_message.Message):
     WEIGHTSYNC_ADDRESS_FIELD_NUMBER: _builtins.int
     MANIFEST_CHECKSUM_FIELD_NUMBER: _builtins.int
     CHECKPOINT_URI_FIELD_NUMBER: _builtins.int
+    SESSION_GROUPS_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """New version number; strictly increasing, 0 is the initial weights."""
     step: _builtins.int
@@ -1233,6 +1234,12 @@ class PolicyVersion(_message.Message):
     """Checksum over the version's manifest, so pullers can verify what they fetched."""
     checkpoint_uri: _builtins.str
     """Where the version's checkpoint is stored, "" when it was not checkpointed."""
+    @_builtins.property
+    def session_groups(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Group ids of the production sessions whose tokens the step that made this version
+        trained (so `harnessrl sessions` and a deletion can say which version used a session).
+        """
+
     def __init__(
         self,
         *,
@@ -1241,10 +1248,11 @@ class PolicyVersion(_message.Message):
         weightsync_address: _builtins.str = ...,
         manifest_checksum: _builtins.str = ...,
         checkpoint_uri: _builtins.str = ...,
+        session_groups: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_uri", b"checkpoint_uri", "manifest_checksum", b"manifest_checksum", "step", b"step", "version", b"version", "weightsync_address", b"weightsync_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_uri", b"checkpoint_uri", "manifest_checksum", b"manifest_checksum", "session_groups", b"session_groups", "step", b"step", "version", b"version", "weightsync_address", b"weightsync_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1330,6 +1338,85 @@ class ControlCommand(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ControlCommand: _TypeAlias = ControlCommand  # noqa: Y015
+
+@_typing.final
+class SessionDeleted(_message.Message):
+    """An app asked that a production session be forgotten. Published by the reward service (the
+    feedback API's DELETE /v1/sessions/{id}) on hrl.policy, which every gateway, the sample
+    builder and the trainer follow: from then on nothing of the session is trained, and each
+    removes what it keeps of it. Identity: the group id.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
+    REQUESTED_AT_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    """The session's group id ("s.<app>.<session>")."""
+    @_builtins.property
+    def session(self) -> Global___SessionInfo:
+        """The app and session id."""
+
+    @_builtins.property
+    def requested_at(self) -> _timestamp_pb2.Timestamp:
+        """Wall-clock time the app's request was accepted."""
+
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+        session: Global___SessionInfo | None = ...,
+        requested_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["requested_at", b"requested_at", "session", b"session"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "requested_at", b"requested_at", "session", b"session"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionDeleted: _TypeAlias = SessionDeleted  # noqa: Y015
+
+@_typing.final
+class SessionDeletionApplied(_message.Message):
+    """The trainer applied a SessionDeleted: nothing of the session trains after it. Published by
+    the trainer on hrl.policy; the reward service answers the app's DELETE with it.
+    Identity: the group id.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    TRAINED_VERSIONS_FIELD_NUMBER: _builtins.int
+    DROPPED_TOKENS_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    """The session's group id."""
+    dropped_tokens: _builtins.int
+    """Loss-mask tokens of its samples that were waiting for a step and were dropped."""
+    version: _builtins.int
+    """The trainer's policy version when it applied the deletion."""
+    @_builtins.property
+    def trained_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Policy versions whose optimiser steps trained tokens of the session (in the history of
+        the weights the trainer holds now), ascending; empty when none did.
+        """
+
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+        trained_versions: _abc.Iterable[_builtins.int] | None = ...,
+        dropped_tokens: _builtins.int = ...,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_tokens", b"dropped_tokens", "group_id", b"group_id", "trained_versions", b"trained_versions", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionDeletionApplied: _TypeAlias = SessionDeletionApplied  # noqa: Y015
 
 @_typing.final
 class TaskEnvelope(_message.Message):
@@ -1516,6 +1603,8 @@ class PolicyEnvelope(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     POLICY_LOADED_FIELD_NUMBER: _builtins.int
     CONTROL_COMMAND_FIELD_NUMBER: _builtins.int
+    SESSION_DELETED_FIELD_NUMBER: _builtins.int
+    SESSION_DELETION_APPLIED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def meta(self) -> Global___EventMeta:
         """Identity and provenance of the event."""
@@ -1532,6 +1621,14 @@ class PolicyEnvelope(_message.Message):
     def control_command(self) -> Global___ControlCommand:
         """Published by the trainer (sync mode) or an operator to pause or resume gateways."""
 
+    @_builtins.property
+    def session_deleted(self) -> Global___SessionDeleted:
+        """Published by the reward service when an app deletes a production session."""
+
+    @_builtins.property
+    def session_deletion_applied(self) -> Global___SessionDeletionApplied:
+        """Published by the trainer once a SessionDeleted is applied."""
+
     def __init__(
         self,
         *,
@@ -1539,12 +1636,14 @@ class PolicyEnvelope(_message.Message):
         policy_version: Global___PolicyVersion | None = ...,
         policy_loaded: Global___PolicyLoaded | None = ...,
         control_command: Global___ControlCommand | None = ...,
+        session_deleted: Global___SessionDeleted | None = ...,
+        session_deletion_applied: Global___SessionDeletionApplied | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["control_command", b"control_command", "event", b"event", "meta", b"meta", "policy_loaded", b"policy_loaded", "policy_version", b"policy_version"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["control_command", b"control_command", "event", b"event", "meta", b"meta", "policy_loaded", b"policy_loaded", "policy_version", b"policy_version", "session_deleted", b"session_deleted", "session_deletion_applied", b"session_deletion_applied"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_command", b"control_command", "event", b"event", "meta", b"meta", "policy_loaded", b"policy_loaded", "policy_version", b"policy_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_command", b"control_command", "event", b"event", "meta", b"meta", "policy_loaded", b"policy_loaded", "policy_version", b"policy_version", "session_deleted", b"session_deleted", "session_deletion_applied", b"session_deletion_applied"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["policy_version", "policy_loaded", "control_command"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["policy_version", "policy_loaded", "control_command", "session_deleted", "session_deletion_applied"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
