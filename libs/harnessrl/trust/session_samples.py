@@ -125,14 +125,7 @@ def build_session(
         return out
     close_books(built, kept, None)
     out.advantage = baselines.advantage(session_keys(app, out.kind), reward.value)
-    credit = session_reward([_signal(s) for s in reward.signals], feedback).turns
-    answered = {c.response_id for c in episode.every_call if c.response_id}
-    for response_id, value in credit.items():  # sorted by response id
-        if response_id not in answered or not math.isfinite(value):
-            out.unmatched_turns += 1
-            continue
-        turn = baselines.advantage(session_keys(app, out.kind, "turn"), value)
-        out.turns[response_id] = out.advantage + turn
+    _credit(out, episode, reward, baselines=baselines, feedback=feedback, app=app)
     built.samples = samples = pb.GroupSamples(
         group_id=group.group_id,
         task_id=group.task_id,
@@ -150,6 +143,28 @@ def build_session(
         if per_token is not None:
             sample.advantages.extend(per_token.tolist())
     return out
+
+
+def _credit(
+    out: SessionBuilt,
+    episode: GroupEpisode,
+    reward: pb.RewardAssigned,
+    *,
+    baselines: Baselines,
+    feedback: FeedbackRules,
+    app: str,
+) -> None:
+    """`out.turns`: A_t of each turn feedback credited that a call answered, in response-id
+    order (each advancing the turn baseline once); the others counted as unmatched."""
+    assert out.advantage is not None
+    credit = session_reward([_signal(s) for s in reward.signals], feedback).turns
+    answered = {c.response_id for c in episode.every_call if c.response_id}
+    for response_id, value in credit.items():  # sorted by response id
+        if response_id not in answered or not math.isfinite(value):
+            out.unmatched_turns += 1
+            continue
+        turn = baselines.advantage(session_keys(app, out.kind, "turn"), value)
+        out.turns[response_id] = out.advantage + turn
 
 
 def _reason(
