@@ -30,11 +30,13 @@ from harnessrl.services.trainer.config import TrainerConfig
 from harnessrl.services.trainer.delivery import DeliveryLedger
 from harnessrl.services.trainer.distributed import World
 from harnessrl.services.trainer.journal import StepJournal
+from harnessrl.services.trainer.journal import lineage as journal_lineage
+from harnessrl.services.trainer.journal import read as read_journal
 from harnessrl.services.trainer.lora import adapter_spec
 from harnessrl.services.trainer.metrics import TrainerMetrics
 from harnessrl.services.trainer.policy import Policy
 from harnessrl.services.trainer.swap import EngineWatch
-from harnessrl.trust.batching import Batch, Batcher
+from harnessrl.trust.batching import SESSION_ESTIMATOR, Batch, Batcher
 from harnessrl.trust.step import StepStats
 from harnessrl.v1 import events_pb2 as pb
 from harnessrl.v1 import weights_pb2 as weights_pb
@@ -81,6 +83,11 @@ class TrainerService:
         self.metrics = TrainerMetrics(runtime.registry)
         self.ready = asyncio.Event()
         self.finished = asyncio.Event()
+        self._deleted: set[str] = set()
+        """Production sessions deleted (SessionDeleted on hrl.policy, read back at start):
+        none of their samples is ever trained."""
+        self._stepping: asyncio.Event = asyncio.Event()
+        self._stepping.set()  # set while no step runs
         self._samples: Consuming | None = None
         """Stopped once max_steps are taken (and checkpointed); the trainer then only serves."""
 
@@ -97,7 +104,8 @@ class TrainerService:
             engines = EngineWatch(self._bus.producer, expected=settings.engines)
             # Every trainer instance follows every engine: a consumer group of its own.
             group = f"harnessrl.trainer.{self._config.instance}"
-            self._bus.consume(stack, Subscription(group, engines.handlers))
+            handlers = {**engines.handlers, pb.SessionDeleted: self._on_deleted}
+            self._bus.consume(stack, Subscription(group, handlers))
             await self._announce(server, checkpoint="")
             samples = Subscription(GROUP, {pb.GroupSamples: self._on_samples})
             self._samples = self._bus.consume(stack, samples)
@@ -166,6 +174,8 @@ class TrainerService:
         ):
             if isinstance(event, pb.PolicyVersion):
                 announced = max(announced, event.version)
+            elif isinstance(event, pb.SessionDeleted):
+                self._deleted.add(event.group_id)
         if announced > self.version:
             log.warning(
                 "versions after the checkpoint were lost; re-announcing its weights",
@@ -180,6 +190,11 @@ class TrainerService:
         _check_token_ids(group, self._policy.vocab_size)
         await self._room.wait()  # backpressure: at most two batches pending
         ledger = self._ledger
+        if group.group_id in self._deleted:  # an app took the session back
+            tokens = sum(sum(1 for m in s.loss_mask if m) for s in group.samples)
+            self.metrics.tokens_dropped("deleted").inc(tokens)
+            ledger.offer(group.samples, taken=(), hold=ctx.hold)
+            return
         taken = self._batcher.add(
             group, version=self.version, trained=ledger.known, horizon=ledger.horizon
         )
@@ -218,18 +233,22 @@ class TrainerService:
                 if self._batcher.due:
                     self._due.set()
                 continue
-            stats = await self._step(batch)
-            self.step += 1
-            self.version += 1
-            self._ledger.trained(self.version)
-            assert self._journal is not None
-            self._journal.record(self.step, self.version, (s.sample_id for s in batch.samples))
+            self._stepping.clear()
+            try:
+                stats = await self._step(batch)
+                self.step += 1
+                self.version += 1
+                self._ledger.trained(self.version)
+                assert self._journal is not None
+                self._journal.record(self.step, self.version, (s.sample_id for s in batch.samples))
+            finally:
+                self._stepping.set()
             checkpoint = ""
             if self.step % settings.checkpoint_every == 0 or self.step == settings.max_steps:
                 checkpoint = await self._checkpoint()
             if settings.schedule == "sync":
                 await engines.pause(self.version)
-            await self._announce(server, checkpoint)
+            await self._announce(server, checkpoint, sessions=_sessions_of(batch))
             if settings.schedule == "sync":
                 await engines.wait_loaded(self.version, settings.load_timeout_s)
                 await engines.resume(self.version)
@@ -301,7 +320,47 @@ class TrainerService:
         )
         return path.resolve().as_uri()
 
-    async def _announce(self, server: WeightSyncServer, checkpoint: str) -> None:
+    async def _on_deleted(self, event: pb.SessionDeleted, ctx: Context) -> None:
+        """An app took a production session back: its pending samples are dropped, none
+        arriving later is trained, and the answer names the versions that trained it."""
+        group_id = event.group_id
+        self._deleted.add(group_id)
+        dropped_ids = self._batcher.drop_group(group_id, "deleted")
+        dropped_tokens = self._batcher.dropped_tokens["deleted"]
+        self._count_dropped()
+        self._ledger.take((), stale=dropped_ids)
+        await self._stepping.wait()  # a step that took it finishes and is in the journal
+        versions = await asyncio.to_thread(self._trained_versions, group_id)
+        await self._bus.producer.publish(
+            pb.SessionDeletionApplied(
+                group_id=group_id,
+                trained_versions=versions,
+                dropped_tokens=dropped_tokens,
+                version=self.version,
+            )
+        )
+        log.info(
+            "session deleted",
+            group_id=group_id,
+            trained_versions=versions,
+            dropped_tokens=dropped_tokens,
+        )
+
+    def _trained_versions(self, group_id: str) -> list[int]:
+        """Versions in the current weights' history whose steps trained the group."""
+        assert self._journal is not None
+        prefix = f"{group_id}/"
+        return sorted(
+            {
+                record.version
+                for record in journal_lineage(read_journal(self._journal.path))
+                if any(s.startswith(prefix) for s in record.samples)
+            }
+        )
+
+    async def _announce(
+        self, server: WeightSyncServer, checkpoint: str, sessions: list[str] | None = None
+    ) -> None:
         assert self._policy is not None
         policy = self._policy
         if policy.sharded:  # the followers all-gather each tensor as the server copies it
@@ -317,6 +376,7 @@ class TrainerService:
                 weightsync_address=self._address(server),
                 manifest_checksum=manifest.manifest_checksum,
                 checkpoint_uri=checkpoint,
+                session_groups=sessions or [],
             )
         )
 
@@ -355,3 +415,13 @@ def _link(group: pb.GroupSamples) -> Link:
         int(group.trace_id, 16), int(group.span_id, 16), True, TraceFlags(TraceFlags.SAMPLED)
     )
     return Link(context, {"harnessrl.group_id": group.group_id})
+
+
+def _sessions_of(batch: Batch) -> list[str]:
+    """The production sessions whose samples the batch trains."""
+    trained = {s.sample_id.rsplit("/", 2)[0] for s in batch.samples}
+    return sorted(
+        g.group_id
+        for g in batch.groups
+        if g.estimator == SESSION_ESTIMATOR and g.group_id in trained
+    )

@@ -116,6 +116,21 @@ class Batcher:
             self._pending.append(entry)
         return [s.sample_id for s in entry.samples]
 
+    def drop_group(self, group_id: str, reason: str) -> list[str]:
+        """Take the pending samples of `group_id` out (a deleted session): they are never
+        trained, their loss-mask tokens counted under `reason`. Returns their ids."""
+        dropped: list[str] = []
+        kept: list[Batch] = []
+        for entry in self._pending:
+            if any(g.group_id == group_id for g in entry.groups):
+                dropped += [s.sample_id for s in entry.samples]
+                self.dropped[reason] += len(entry.samples)
+                self.dropped_tokens[reason] += sum(int(s.loss_mask.sum()) for s in entry.samples)
+            else:
+                kept.append(entry)
+        self._pending = kept
+        return dropped
+
     def pending_ids(self) -> set[str]:
         return {s.sample_id for entry in self._pending for s in entry.samples}
 
