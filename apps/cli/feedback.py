@@ -1,6 +1,7 @@
-"""`harnessrl feedback send|show`: an app's feedback about one of its production sessions,
-sent to the reward service's feedback API with the app's own key (read from an environment
-variable, never from the command line, where other users of the machine could see it)."""
+"""`harnessrl feedback send|show|delete`: an app's feedback about one of its production
+sessions, sent to the reward service's feedback API with the app's own key (read from an
+environment variable, never from the command line, where other users of the machine could
+see it); `delete` takes a session back (nothing of it is kept or trained from then on)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ DEFAULT_KEY_ENV = "HARNESSRL_APP_KEY"
 def register(commands: Any) -> None:
     parser = commands.add_parser(
         "feedback",
-        help="send feedback about a production session, or show a session",
+        help="send feedback about a production session, show or delete a session",
         description="Talk to the reward service's feedback API as a production app: send a "
         "signal about one of the app's sessions (thumbs, resolved, ...), or show a session's "
         "state, its signals and its decided reward. The app's key is read from an "
@@ -44,6 +45,18 @@ def register(commands: Any) -> None:
     show.add_argument("session", metavar="SESSION", help="the app's session id")
     _common(show)
     show.set_defaults(run=run_show)
+    delete = actions.add_parser(
+        "delete",
+        help="delete a session: its signals and reward purged, its training data dropped",
+        description="Delete one of the app's sessions: the reward service purges its "
+        "signals and reward, and the trainer drops what of it has not trained yet. Prints "
+        "the answer: applied (the trainer confirmed) and the policy versions that had "
+        "already trained on it; applied false means the trainer has not confirmed yet "
+        "(`show` tells once it has). Deleting again is harmless.",
+    )
+    delete.add_argument("session", metavar="SESSION", help="the app's session id")
+    _common(delete)
+    delete.set_defaults(run=run_delete)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +94,12 @@ def run_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_delete(args: argparse.Namespace) -> int:
+    answer = _call(args, "DELETE", f"/v1/sessions/{args.session}", None)
+    print(json.dumps(answer, indent=2))
+    return 0
+
+
 def _call(
     args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None
 ) -> dict[str, Any]:
@@ -92,9 +111,11 @@ def _call(
     if not key:
         raise CliError(f"{args.app_key_env}: not set; export the app's key in it")
     url = args.url.rstrip("/") + path
+    # A DELETE waits for the trainer up to reward.delete_wait_s (at most 600 s).
+    timeout = 630.0 if method == "DELETE" else 30.0
     try:
         response = httpx.request(
-            method, url, json=body, headers={"authorization": f"Bearer {key}"}, timeout=30.0
+            method, url, json=body, headers={"authorization": f"Bearer {key}"}, timeout=timeout
         )
     except httpx.HTTPError as err:
         raise CliError(f"{url}: {err or type(err).__name__}") from None

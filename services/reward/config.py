@@ -85,12 +85,17 @@ class RewardSection(ServiceSection):
     """Port of /healthz and /metrics (the service has no other API: harnesses cannot reach
     a reward)."""
     feedback_port: int = Field(default=8240, ge=0, le=65535)
-    """Port of the feedback API (POST /v1/feedback, GET /v1/sessions/{id}, /healthz), where
+    """Port of the feedback API (POST /v1/feedback, GET and DELETE /v1/sessions/{id},
+    /healthz), where
     production apps send feedback about their sessions with their own keys; served only
     when production.apps is set. 0 picks a free port."""
     feedback_sweep_s: float = Field(default=5.0, gt=0, le=3600)
     """How often sessions whose feedback window ended are decided, rewards not yet
     acknowledged are published again, and sessions past production.retention_s deleted."""
+    delete_wait_s: float = Field(default=30.0, ge=0, le=600)
+    """How long DELETE /v1/sessions/{id} waits for the trainer's SessionDeletionApplied
+    before answering 202 (applied: false); GET /v1/sessions/{id} shows the answer once it
+    arrives."""
     source: str = "builtin:answer"
     """The reward: "builtin:answer", "builtin:tests", "entrypoint:<module>:<function>"
     (sync or async Python function taking an Episode) or "grpc:<host>:<port>" (a remote

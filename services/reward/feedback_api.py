@@ -1,8 +1,9 @@
 """The feedback API: an app tells the reward service how its sessions went.
 
-    POST /v1/feedback          {"session", "name", "value", "response_id"?, "idempotency_key"?}
-    GET  /v1/sessions/{id}     the app's session: state, end, signals, decided value
-    GET  /healthz
+    POST   /v1/feedback        {"session", "name", "value", "response_id"?, "idempotency_key"?}
+    GET    /v1/sessions/{id}   the app's session: state, end, signals, decided value
+    DELETE /v1/sessions/{id}   take the session back: nothing of it is kept or trained again
+    GET    /healthz
 
 Served on `reward.feedback_port` when production.apps is set. Each request carries its app's
 key (`Authorization: Bearer <key>` or `x-api-key`); sessions are namespaced by app, so an
@@ -13,7 +14,13 @@ of its idempotency key (by default a digest of name, value and response id, so a
 retry is the same signal) answers `duplicate: true` and changes nothing. Every refusal
 stores nothing and says why in `{"error": {"message", "field", "code"}}`: 400 bad input
 (naming the field), 401 no or unknown key, 404 unknown session, 405 wrong method, 409 the
-session's reward is already decided or its window ended, 413 body too large.
+session's reward is already decided, its window ended or it was deleted, 413 body too large.
+
+A DELETE purges the session from the store (a tombstone stays, see feedback_store.py),
+publishes SessionDeleted once and waits up to reward.delete_wait_s for the trainer's answer:
+200 `{"session", "deleted": true, "applied": true, "trained", "trained_versions"}`, or 202
+with `"applied": false` when it has not answered yet (GET shows the answer once it came).
+Deleting again gives the same answer.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from harnessrl.services.reward.feedback_store import (
     SignalReceipt,
     StoredSignal,
     StoreThread,
+    Tombstone,
 )
 from harnessrl.telemetry import extract_context, span_ids
 from harnessrl.v1 import events_pb2 as pb
@@ -62,6 +70,7 @@ _REFUSALS = {  # status for each outcome of the store that is not an acceptance
     "decided": 409,
     "window_ended": 409,
     "too_many": 409,
+    "deleted": 409,
 }
 
 
@@ -126,9 +135,11 @@ class FeedbackApi:
         tracer: trace.Tracer,
         health: HealthCheck,
         *,
+        delete_wait_s: float = 30.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._production = production
+        self._delete_wait_s = delete_wait_s
         self._apps = Apps(production.apps)
         self._store = store
         self._join = join
@@ -175,7 +186,9 @@ class FeedbackApi:
                 _allow(method, "POST")
                 return await self._feedback(request)
             if path.startswith(SESSIONS_PREFIX):
-                _allow(method, "GET", "HEAD")
+                _allow(method, "GET", "HEAD", "DELETE")
+                if method == "DELETE":
+                    return await self._delete(request, path[len(SESSIONS_PREFIX) :])
                 return await self._show(request, path[len(SESSIONS_PREFIX) :])
             raise FeedbackRefused(404, "not_found", f"{path}: no such route")
         except FeedbackRefused as refused:
@@ -290,20 +303,39 @@ class FeedbackApi:
             )
         return body
 
-    async def _show(self, request: Request, session_id: str) -> Response:
+    def _session_of(self, request: Request, session_id: str) -> tuple[AppSpec, str]:
+        """The app and the group id of the session a /v1/sessions/{id} request names."""
         app = self._app(request)
         try:
             check_session_id(session_id)
         except ValueError as err:
             raise FeedbackRefused(400, "invalid", str(err), "session") from None
-        group_id = session_group(app.name, session_id)
+        return app, session_group(app.name, session_id)
+
+    async def _show(self, request: Request, session_id: str) -> Response:
+        _, group_id = self._session_of(request, session_id)
         record = await self._store.call(FeedbackStore.session, group_id)
         if record is None:
-            raise FeedbackRefused(
-                404, "unknown_session", _refusal("unknown_session", session_id), "session"
-            )
+            tomb = await self._store.call(FeedbackStore.tombstone, group_id)
+            if tomb is None:
+                raise _unknown(session_id)
+            return Response(200, _JSON, orjson.dumps(_deletion_view(tomb)))
         signals = await self._store.call(FeedbackStore.signals, group_id)
         return Response(200, _JSON, orjson.dumps(self._session_view(record, signals)))
+
+    async def _delete(self, request: Request, session_id: str) -> Response:
+        app, group_id = self._session_of(request, session_id)
+        traceparent = session_traceparent(app.name, session_id)
+        parent = extract_context([("traceparent", traceparent.encode())])
+        with self._tracer.start_as_current_span("feedback.delete", context=parent) as span:
+            span.set_attribute("harnessrl.episode_id", group_id)
+            tomb = await self._join.delete(app.name, session_id, self._delete_wait_s)
+            if tomb is None:
+                raise _unknown(session_id)
+            span.set_attribute("harnessrl.feedback.applied", tomb.applied_at is not None)
+        status = 202 if tomb.applied_at is None else 200
+        answer = {k: v for k, v in _deletion_view(tomb).items() if k not in _TOMB_ONLY}
+        return Response(status, _JSON, orjson.dumps(answer))
 
     def _session_view(self, record: SessionRecord, signals: list[StoredSignal]) -> dict[str, Any]:
         window = self._production.feedback.window_s
@@ -337,6 +369,31 @@ class FeedbackApi:
         return view
 
 
+_TOMB_ONLY = ("state", "deleted_at", "applied_at", "dropped_tokens", "version")
+"""What GET shows of a deleted session and the DELETE answer leaves out."""
+
+
+def _deletion_view(tomb: Tombstone) -> dict[str, Any]:
+    """A deleted session as the API shows it (the DELETE answer is its first keys)."""
+    applied = tomb.applied_at is not None
+    return {
+        "session": tomb.session_id,
+        "deleted": True,
+        "applied": applied,
+        "trained": bool(tomb.trained_versions) if applied else None,
+        "trained_versions": list(tomb.trained_versions) if applied else None,
+        "state": "deleted",
+        "deleted_at": tomb.deleted_at,
+        "applied_at": tomb.applied_at,
+        "dropped_tokens": tomb.dropped_tokens if applied else None,
+        "version": tomb.version if applied else None,
+    }
+
+
+def _unknown(session: str) -> FeedbackRefused:
+    return FeedbackRefused(404, "unknown_session", _refusal("unknown_session", session), "session")
+
+
 def _allow(method: str, *allowed: str) -> None:
     if method not in allowed:
         methods = ", ".join(allowed)
@@ -351,4 +408,5 @@ def _refusal(outcome: str, session: str) -> str:
         "decided": f"session {session!r}: its reward is already decided; not counted",
         "window_ended": f"session {session!r}: its feedback window has ended; not counted",
         "too_many": f"session {session!r}: it holds the most signals a session may; not counted",
+        "deleted": f"session {session!r}: deleted by its app; not counted",
     }[outcome]

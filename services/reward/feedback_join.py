@@ -13,11 +13,16 @@ with `session` set); the feedback API adds signals. Here they meet, in the store
   that refused) is published again, with the same bytes, by the next sweep; the sample
   builder keeps one reward per (episode, attempt).
 - The sweep also deletes what is older than production.retention_s.
+- An app deletes a session (`delete`): the store keeps a tombstone only, SessionDeleted goes
+  out on hrl.policy, and the trainer's SessionDeletionApplied (`on_applied`) is recorded on
+  the tombstone. A deleted session's reward is never published from then on: the store
+  holds none, and one read before the deletion is not claimed (`_claim`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,6 +40,7 @@ from harnessrl.services.reward.feedback_store import (
     SessionRecord,
     StoredSignal,
     StoreThread,
+    Tombstone,
 )
 from harnessrl.trust import feedback
 from harnessrl.v1 import events_pb2 as pb
@@ -77,6 +83,15 @@ class FeedbackMetrics:
             Counter(
                 "harnessrl_feedback_decided",
                 "Session rewards decided, by outcome (decided | missing).",
+                ["outcome"],
+                registry=r,
+            )
+        )
+        self.deletions = Labelled(
+            Counter(
+                "harnessrl_feedback_deletions",
+                "Sessions deleted by their app, by outcome (applied: the trainer answered "
+                "within reward.delete_wait_s | pending: it had not).",
                 ["outcome"],
                 registry=r,
             )
@@ -205,6 +220,8 @@ class FeedbackJoin:
         self.metrics = metrics
         self._clock = clock
         self._publishing: set[str] = set()
+        self._deleting: set[str] = set()
+        self._answers: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- session events ----------------------------------------------------------------------
@@ -228,6 +245,64 @@ class FeedbackJoin:
         # Also when the end was already known: a crash between recording it and deciding
         # re-delivers the event, and this is where that decision is made.
         await self.settle([record.group_id])
+
+    # -- deletions ---------------------------------------------------------------------------
+
+    async def delete(self, app: str, session_id: str, wait_s: float) -> Tombstone | None:
+        """Delete the app's session (see FeedbackStore.delete), publish SessionDeleted and
+        wait until the broker acknowledged it, then up to `wait_s` for the trainer's answer.
+        Returns the tombstone as it is then (`applied_at` None when no answer came in time),
+        or None for a session the store does not know (nothing changed, nothing published).
+        Idempotent: deleting again answers the same tombstone and publishes SessionDeleted
+        again, which its consumers (keyed on the group) take as the same deletion."""
+        group_id = session_group(app, session_id)
+        answered = self._answers.setdefault(group_id, asyncio.Event())
+        # Claimed from now: a reward read before the deletion commits is not published.
+        self._deleting.add(group_id)
+        try:
+            tomb = await self._store.call(FeedbackStore.delete, group_id, self._clock())
+            if tomb is None:
+                return None
+            event = pb.SessionDeleted(
+                group_id=group_id, session=pb.SessionInfo(app=app, session_id=session_id)
+            )
+            event.requested_at.FromNanoseconds(round(tomb.deleted_at * 1e9))
+            await self._producer.publish(event)
+            if tomb.applied_at is None:
+                with contextlib.suppress(TimeoutError):  # answered 202, shown by GET later
+                    await asyncio.wait_for(answered.wait(), wait_s)
+                tomb = await self._store.call(FeedbackStore.tombstone, group_id) or tomb
+            outcome = "pending" if tomb.applied_at is None else "applied"
+            self.metrics.deletions(outcome).inc()
+            log.info("session deleted", group_id=group_id, outcome=outcome)
+            return tomb
+        finally:
+            self._deleting.discard(group_id)
+            if self._answers.get(group_id) is answered:
+                del self._answers[group_id]
+
+    async def on_applied(self, event: pb.SessionDeletionApplied) -> None:
+        """Record the trainer's answer to a deletion on its tombstone (idempotent: the first
+        answer counts; one about a session not deleted here changes nothing) and wake a
+        request waiting for it."""
+        recorded = await self._store.call(
+            FeedbackStore.applied,
+            event.group_id,
+            list(event.trained_versions),
+            event.dropped_tokens,
+            event.version,
+            self._clock(),
+        )
+        if recorded:
+            log.info(
+                "session deletion applied",
+                group_id=event.group_id,
+                trained_versions=list(event.trained_versions),
+                dropped_tokens=event.dropped_tokens,
+            )
+        answered = self._answers.get(event.group_id)
+        if answered is not None:
+            answered.set()
 
     # -- decisions ---------------------------------------------------------------------------
 
@@ -310,8 +385,11 @@ class FeedbackJoin:
         thread answers in order and the loop resumes its callers in that order, so a sweep
         that read a reward as unpublished sees it claimed until it is marked published, and
         one that reads after the mark does not see it: a reward is never sent twice at once.
+        A session being deleted is never claimed: the store answered before its deletion
+        committed, and its reward must not go out.
         """
-        fresh = [item for item in items if item[0] not in self._publishing]
+        busy = self._publishing | self._deleting
+        fresh = [item for item in items if item[0] not in busy]
         self._publishing.update(group_id for group_id, _ in fresh)
         return fresh
 

@@ -10,6 +10,11 @@ indexed query with a limit, so memory stays flat with any number of sessions wai
 A session moves awaiting -> decided -> published, in that order only (`_STEPS`); a signal
 is one row per (session, idempotency key), numbered in arrival order. A connection is used
 by one thread: `StoreThread` runs every call on its own thread, off the event loop.
+
+A deleted session (`delete`) leaves only a tombstone in `deletions` (ids, when, and later
+the trainer's answer): its row, its signals and its reward bytes are gone, overwritten in
+the file (secure_delete) and out of the WAL (a TRUNCATE checkpoint after the deletion). A
+tombstoned session is never registered, ended, given a signal or decided again.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 STORE_FILE = "reward.sqlite"
 MAX_SIGNALS_PER_SESSION = 256
 """Signals one session may hold: its RewardAssigned carries them all, and must stay small."""
-VIEW_STATES = ("open", "awaiting_feedback", "decided", "published")
-"""How a session is reported: awaiting splits into open (not ended) and awaiting_feedback."""
+VIEW_STATES = ("open", "awaiting_feedback", "decided", "published", "deleted")
+"""How a session is reported: awaiting splits into open (not ended) and awaiting_feedback;
+deleted is a tombstone."""
 
 _STEPS = {"awaiting": "decided", "decided": "published"}  # the only transitions
 
@@ -63,9 +69,20 @@ CREATE TABLE IF NOT EXISTS signals (
     trace_id TEXT NOT NULL,
     UNIQUE (group_id, idempotency_key)
 );
+CREATE TABLE IF NOT EXISTS deletions (
+    group_id TEXT PRIMARY KEY,
+    app TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    deleted_at REAL NOT NULL,
+    applied_at REAL,
+    trained_versions TEXT NOT NULL DEFAULT '',
+    dropped_tokens INTEGER NOT NULL DEFAULT 0,
+    version INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS deletions_age ON deletions (deleted_at);
 CREATE TABLE IF NOT EXISTS session_counts (view TEXT PRIMARY KEY, n INTEGER NOT NULL);
 INSERT OR IGNORE INTO session_counts VALUES
-    ('open', 0), ('awaiting_feedback', 0), ('decided', 0), ('published', 0);
+    ('open', 0), ('awaiting_feedback', 0), ('decided', 0), ('published', 0), ('deleted', 0);
 """
 # The gauge of sessions by state is read from session_counts, kept exact by triggers, so a
 # scrape never counts 100,000 rows.
@@ -84,12 +101,22 @@ CREATE TRIGGER IF NOT EXISTS sessions_recounted AFTER UPDATE OF state, ended_at 
     UPDATE session_counts SET n = n - 1 WHERE view = {_VIEW.format(r="OLD")};
     UPDATE session_counts SET n = n + 1 WHERE view = {_VIEW.format(r="NEW")};
 END;
+CREATE TRIGGER IF NOT EXISTS deletions_counted_in AFTER INSERT ON deletions BEGIN
+    UPDATE session_counts SET n = n + 1 WHERE view = 'deleted';
+END;
+CREATE TRIGGER IF NOT EXISTS deletions_counted_out AFTER DELETE ON deletions BEGIN
+    UPDATE session_counts SET n = n - 1 WHERE view = 'deleted';
+END;
 """
 _SESSION_COLUMNS = (
     "group_id, app, session_id, kind, explored, trace_id, started_at, ended_at, ended_by, "
     "state, decided_at, reward"
 )
 _SIGNAL_COLUMNS = "name, value, response_id, idempotency_key, received_at, span_id, trace_id"
+_DELETION_COLUMNS = (
+    "group_id, app, session_id, deleted_at, applied_at, trained_versions, dropped_tokens, version"
+)
+_NOT_DELETED = "NOT EXISTS (SELECT 1 FROM deletions WHERE deletions.group_id = ?)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +158,24 @@ class StoredSignal:
     trace_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """What is left of a deleted session: who it was, when it was deleted, and once the
+    trainer answered (`applied_at` set), which policy versions had trained it."""
+
+    group_id: str
+    app: str
+    session_id: str
+    deleted_at: float
+    applied_at: float | None = None
+    trained_versions: tuple[int, ...] = ()
+    dropped_tokens: int = 0
+    version: int = 0
+    """The trainer's policy version when it applied the deletion."""
+
+
 SignalOutcome = Literal[
-    "accepted", "duplicate", "unknown_session", "decided", "window_ended", "too_many"
+    "accepted", "duplicate", "unknown_session", "decided", "window_ended", "too_many", "deleted"
 ]
 
 
@@ -168,6 +211,7 @@ class FeedbackStore:
         db = sqlite3.connect(directory / STORE_FILE, isolation_level=None)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA secure_delete=ON")  # deleted content is overwritten, not left free
         db.executescript(_SCHEMA + _TRIGGERS)
         return cls(db, window_s)
 
@@ -193,27 +237,29 @@ class FeedbackStore:
     # -- sessions ----------------------------------------------------------------------------
 
     def register(self, sessions: Iterable[SessionRecord]) -> int:
-        """Record sessions (one transaction); a session already known is left as it is.
-        Returns how many were new."""
+        """Record sessions (one transaction); a session already known, or deleted, is left
+        as it is. Returns how many were new."""
         with self._transaction() as db:
             cursor = db.executemany(
-                f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?) "
-                "ON CONFLICT (group_id) DO NOTHING",
-                (_row(s) for s in sessions),
+                f"INSERT INTO sessions ({_SESSION_COLUMNS}) SELECT ?,?,?,?,?,?,?,?,?,?,?,? "
+                f"WHERE {_NOT_DELETED} ON CONFLICT (group_id) DO NOTHING",
+                ((*_row(s), s.group_id) for s in sessions),
             )
             return max(cursor.rowcount, 0)
 
     def end(self, session: SessionRecord) -> bool:
         """Record that `session` ended (`ended_at`, `ended_by` set), registering it when it
-        is unknown. A session that already ended keeps its first end. True when changed."""
+        is unknown. A session that already ended keeps its first end; a deleted one stays a
+        tombstone. True when changed."""
         if session.ended_at is None:
             raise ValueError("SessionRecord.ended_at: required to end a session")
         with self._transaction() as db:
             cursor = db.execute(
-                f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?) "
-                "ON CONFLICT (group_id) DO UPDATE SET ended_at = excluded.ended_at, "
-                "ended_by = excluded.ended_by WHERE sessions.ended_at IS NULL",
-                _row(session),
+                f"INSERT INTO sessions ({_SESSION_COLUMNS}) SELECT ?,?,?,?,?,?,?,?,?,?,?,? "
+                f"WHERE {_NOT_DELETED} ON CONFLICT (group_id) DO UPDATE SET "
+                "ended_at = excluded.ended_at, ended_by = excluded.ended_by "
+                "WHERE sessions.ended_at IS NULL",
+                (*_row(session), session.group_id),
             )
             return cursor.rowcount > 0
 
@@ -235,14 +281,15 @@ class FeedbackStore:
         A key already stored is a duplicate whatever the session's state (a retry of the
         signal that decided it finds it decided): nothing changes, `same_content` says
         whether the content matches. Otherwise the signal is refused when the session is
-        unknown, decided, past its window (`signal.received_at` is now) or full.
+        deleted, unknown, decided, past its window (`signal.received_at` is now) or full.
         """
         with self._transaction() as db:
             head = db.execute(
                 "SELECT state, ended_at FROM sessions WHERE group_id = ?", (group_id,)
             ).fetchone()
             if head is None:
-                return SignalReceipt("unknown_session")
+                gone = db.execute("SELECT 1 FROM deletions WHERE group_id = ?", (group_id,))
+                return SignalReceipt("deleted" if gone.fetchone() else "unknown_session")
             state, ended_at = head
             held = db.execute(
                 f"SELECT {_SIGNAL_COLUMNS} FROM signals WHERE group_id = ? AND idempotency_key = ?",
@@ -320,7 +367,8 @@ class FeedbackStore:
 
     def expire(self, before: float, limit: int) -> int:
         """Delete up to `limit` sessions (and their signals) that ended, or started and never
-        ended, before `before`. Returns how many were deleted."""
+        ended, before `before`, and up to `limit` tombstones of deletions before `before`.
+        Returns how many were deleted."""
         with self._transaction() as db:
             old = db.execute(
                 "SELECT group_id FROM sessions WHERE coalesce(ended_at, started_at) < ? LIMIT ?",
@@ -328,7 +376,64 @@ class FeedbackStore:
             ).fetchall()
             db.executemany("DELETE FROM signals WHERE group_id = ?", old)
             db.executemany("DELETE FROM sessions WHERE group_id = ?", old)
-            return len(old)
+            tombs = db.execute(
+                "SELECT group_id FROM deletions WHERE deleted_at < ? LIMIT ?", (before, limit)
+            ).fetchall()
+            db.executemany("DELETE FROM deletions WHERE group_id = ?", tombs)
+            return len(old) + len(tombs)
+
+    # -- deletions ---------------------------------------------------------------------------
+
+    def delete(self, group_id: str, now: float) -> Tombstone | None:
+        """Delete a session: its row, signals and reward go, a tombstone stays (one
+        transaction), then a TRUNCATE checkpoint moves the overwritten pages into the file
+        and empties the WAL. Idempotent: a session already deleted answers its tombstone as
+        it is. None, changing nothing, for a session the store does not know."""
+        with self._transaction() as db:
+            tomb = self.tombstone(group_id)
+            if tomb is not None:
+                return tomb
+            head = db.execute(
+                "SELECT app, session_id FROM sessions WHERE group_id = ?", (group_id,)
+            ).fetchone()
+            if head is None:
+                return None
+            db.execute("DELETE FROM signals WHERE group_id = ?", (group_id,))
+            db.execute("DELETE FROM sessions WHERE group_id = ?", (group_id,))
+            db.execute(
+                "INSERT INTO deletions (group_id, app, session_id, deleted_at) VALUES (?,?,?,?)",
+                (group_id, *head, now),
+            )
+        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return Tombstone(group_id, head[0], head[1], now)
+
+    def tombstone(self, group_id: str) -> Tombstone | None:
+        """The session's tombstone, None when it is not deleted."""
+        row = self._db.execute(
+            f"SELECT {_DELETION_COLUMNS} FROM deletions WHERE group_id = ?", (group_id,)
+        ).fetchone()
+        if row is None:
+            return None
+        group, app, session_id, deleted_at, applied_at, versions, dropped, version = row
+        trained = tuple(int(v) for v in versions.split(",") if v)
+        return Tombstone(
+            group, app, session_id, deleted_at, applied_at, trained, int(dropped), int(version)
+        )
+
+    def applied(
+        self, group_id: str, trained_versions: Sequence[int], dropped_tokens: int, version: int,
+        now: float,
+    ) -> bool:  # fmt: skip
+        """Record the trainer's answer on the tombstone (the first answer counts). True when
+        recorded now; False for a session not deleted here or already answered."""
+        with self._transaction() as db:
+            cursor = db.execute(
+                "UPDATE deletions SET applied_at = ?, trained_versions = ?, dropped_tokens = ?, "
+                "version = ? WHERE group_id = ? AND applied_at IS NULL",
+                (now, ",".join(str(v) for v in trained_versions), dropped_tokens, version,
+                 group_id),
+            )  # fmt: skip
+            return cursor.rowcount > 0
 
 
 def _step(db: sqlite3.Connection, group_id: str, old: str, new: str, **values: object) -> None:

@@ -10,7 +10,9 @@ harness has no route to it.
 Production sessions (EpisodeStarted/EpisodeFinished with `session` set) are never scored by
 the configured reward: with production.apps set they go to the feedback join
 (feedback_join.py), whose records commit once its store holds them, and apps send feedback
-to the feedback API (feedback_api.py) on its own port, `reward.feedback_port`.
+to the feedback API (feedback_api.py) on its own port, `reward.feedback_port`. The trainer's
+answers to deleted sessions (SessionDeletionApplied on hrl.policy) are followed by a consumer
+group of this instance's own, so the instance that holds a tombstone sees its answer.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from harnessrl.logs import get_logger
 from harnessrl.metrics import Labelled
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
-from harnessrl.service_bus import Handlers, ServiceBus, Subscription
+from harnessrl.service_bus import EventHandler, Handlers, ServiceBus, Subscription
 from harnessrl.services.reward.config import RewardConfig
 from harnessrl.services.reward.episode import Episode
 from harnessrl.services.reward.feedback_api import FeedbackApi
@@ -119,7 +121,10 @@ class RewardService:
             await Jail(config.reward.tests).probe()
         async with AsyncExitStack() as stack:
             stack.push_async_callback(self._scorer.close)
-            await self._bus.start(stack, topics=[events.EPISODES, events.REWARDS])
+            topics = [events.EPISODES, events.REWARDS]
+            if config.production.apps:
+                topics.append(events.POLICY)
+            await self._bus.start(stack, topics=topics)
             async for _, event, _ in read_to_end(
                 config.kafka, events.REWARDS, client_id=f"{runtime.producer_name}/rebuild"
             ):
@@ -162,7 +167,12 @@ class RewardService:
         stack.push_async_callback(join.drain, section.shutdown_timeout_s / 2)
         sweeps = asyncio.create_task(join.run_sweeps(section.feedback_sweep_s), name="sweeps")
         stack.push_async_callback(_cancel, sweeps)
-        api = FeedbackApi(production, store, join, self._tracer, self.health)
+        answers = {pb.SessionDeletionApplied: _applied(join)}
+        group = f"harnessrl.reward.{self._config.instance}"
+        self._bus.consume(stack, Subscription(group, answers))
+        api = FeedbackApi(
+            production, store, join, self._tracer, self.health, delete_wait_s=section.delete_wait_s
+        )
         await api.start(section.host, section.feedback_port)
         stack.push_async_callback(api.stop)
         self._join, self._feedback_api = join, api
@@ -273,6 +283,13 @@ class RewardService:
             for leftover in pending:
                 leftover.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _applied(join: FeedbackJoin) -> EventHandler:
+    async def on_applied(event: pb.SessionDeletionApplied, ctx: Context) -> None:
+        await join.on_applied(event)
+
+    return on_applied
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:

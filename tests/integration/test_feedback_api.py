@@ -1,6 +1,8 @@
 """Production feedback end to end: the real reward service on the embedded broker, session
 events published on hrl.episodes as the gateway publishes them, real HTTP to its feedback
-API with httpx, and the `harnessrl feedback` command."""
+API with httpx, and the `harnessrl feedback` command. Deletions are answered by a trainer
+played by the test (it publishes SessionDeletionApplied on hrl.policy, as the trainer does):
+a real trainer needs a GPU and a model."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from harnessrl.services.reward.feedback_join import reward_of
 from harnessrl.services.reward.feedback_store import FeedbackStore, SessionRecord, StoredSignal
 from harnessrl.services.reward.service import RewardService
 from harnessrl.v1 import events_pb2 as pb
-from tests.helpers import FAST_GROUP, eventually, read_topic, topic_size
+from tests.helpers import FAST_GROUP, events_on, eventually, read_topic, topic_size
 
 pytestmark = pytest.mark.integration
 
@@ -67,6 +69,7 @@ async def reward_service(
     tmp_path: Path,
     *,
     window_s: float = 600.0,
+    delete_wait_s: float = 30.0,
     registry: CollectorRegistry | None = None,
     tracer_provider: TracerProvider | None = None,
 ) -> AsyncIterator[tuple[RewardService, httpx.AsyncClient]]:
@@ -75,7 +78,9 @@ async def reward_service(
         kafka=KafkaSettings(bootstrap_servers=broker.bootstrap, partitions=3),
         consumer=ConsumerSettings(**FAST_GROUP),
         producer=ProducerSettings(spill_dir=tmp_path / "rw-spill"),
-        reward=RewardSection(port=0, feedback_port=0, feedback_sweep_s=0.2),
+        reward=RewardSection(
+            port=0, feedback_port=0, feedback_sweep_s=0.2, delete_wait_s=delete_wait_s
+        ),
         production=production(tmp_path, window_s),
     )
     runtime = Runtime(
@@ -86,7 +91,7 @@ async def reward_service(
     await asyncio.wait_for(service.ready.wait(), 30)
     url = f"http://127.0.0.1:{service.feedback_port}"
     try:
-        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             yield service, client
     finally:
         await service.stop()
@@ -382,7 +387,7 @@ async def test_a_restart_while_sessions_wait_loses_and_doubles_nothing(
 async def test_the_feedback_command_sends_and_shows(
     broker: EmbeddedBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    async with reward_service(broker, tmp_path) as (service, client):
+    async with reward_service(broker, tmp_path, delete_wait_s=0.2) as (service, client):
         await publish(broker, tmp_path, started("desk", "cli-1"))
         await known(client, "cli-1", "open")
         url = f"http://127.0.0.1:{service.feedback_port}"
@@ -408,3 +413,161 @@ async def test_the_feedback_command_sends_and_shows(
         assert await asyncio.to_thread(run, "show", "cli-1", *keyed) == 0
         shown = capsys.readouterr().out
         assert '"state": "open"' in shown and '"thumbs"' in shown
+        assert await asyncio.to_thread(run, "delete", "cli-1", *keyed) == 0
+        assert '"applied": false' in capsys.readouterr().out  # nobody plays the trainer
+        assert await asyncio.to_thread(run, "show", "cli-1", *keyed) == 0
+        assert '"state": "deleted"' in capsys.readouterr().out
+        assert await asyncio.to_thread(run, "delete", "nobody", *keyed) == 2
+        assert "HTTP 404" in capsys.readouterr().err
+
+
+async def session_deleted(broker: EmbeddedBroker, count: int = 1) -> list[pb.SessionDeleted]:
+    """Wait for `count` SessionDeleted on hrl.policy, and return them all."""
+
+    async def found() -> list[pb.SessionDeleted]:
+        on = await events_on(broker.bootstrap, events.POLICY)
+        return [event for kind, event in on if kind == "session_deleted"]
+
+    async def arrived() -> bool:
+        return len(await found()) >= count
+
+    await eventually(arrived, timeout=30, interval=0.1)
+    return await found()
+
+
+def applied(group_id: str, *versions: int, dropped: int = 0) -> pb.SessionDeletionApplied:
+    return pb.SessionDeletionApplied(
+        group_id=group_id,
+        trained_versions=versions,
+        dropped_tokens=dropped,
+        version=max(versions, default=0) + 1,
+    )
+
+
+async def test_a_session_deleted_before_its_reward_never_gets_one(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    registry = CollectorRegistry()
+    async with reward_service(
+        broker, tmp_path, window_s=1.0, delete_wait_s=0.2, registry=registry
+    ) as (_, client):
+        await publish(broker, tmp_path, started("desk", "gone"), started("desk", "kept"))
+        await known(client, "gone", "open")
+        marker = {"session": "gone", "name": "thumbs", "value": 1, "idempotency_key": "secret-1"}
+        assert (await client.post("/v1/feedback", json=marker, headers=desk())).status_code == 202
+        deleted = await client.delete("/v1/sessions/gone", headers=desk())
+        assert deleted.status_code == 202, deleted.text
+        assert deleted.json() == {
+            "session": "gone",
+            "deleted": True,
+            "applied": False,
+            "trained": None,
+            "trained_versions": None,
+        }
+        # Its end redelivered or late, a signal after the deletion: it stays deleted.
+        await publish(broker, tmp_path, finished("desk", "gone"), started("desk", "gone"))
+        await publish(broker, tmp_path, finished("desk", "kept"))
+        await known(client, "kept", "published")
+        late = {"session": "gone", "name": "thumbs", "value": -1}
+        refused = await client.post("/v1/feedback", json=late, headers=desk())
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "deleted"
+        shown = (await client.get("/v1/sessions/gone", headers=desk())).json()
+        assert (shown["state"], shown["deleted"], shown["applied"]) == ("deleted", True, False)
+        assert "signals" not in shown
+        await asyncio.sleep(1.5)  # sweeps past the window
+    for path in (tmp_path / "sessions").iterdir():  # the store's file and its WAL
+        assert b"secret-1" not in path.read_bytes(), path
+    got = await rewards(broker, 1)
+    assert list(got) == ["s.desk.kept"]  # never one for the deleted session
+    [event] = await session_deleted(broker)
+    assert (event.group_id, event.session.app, event.session.session_id) == (
+        "s.desk.gone",
+        "desk",
+        "gone",
+    )
+    assert event.requested_at.ToNanoseconds() > 0
+    pending = registry.get_sample_value(
+        "harnessrl_feedback_deletions_total", {"outcome": "pending"}
+    )
+    assert pending == 1
+
+
+async def test_a_deletion_the_trainer_applies_names_the_versions_that_trained_it(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    registry = CollectorRegistry()
+    async with reward_service(broker, tmp_path, registry=registry) as (_, client):
+        await publish(broker, tmp_path, started("desk", "trained"), finished("desk", "trained"))
+        await known(client, "trained", "awaiting_feedback")
+        thumbs = {"session": "trained", "name": "thumbs", "value": 1}
+        assert (await client.post("/v1/feedback", json=thumbs, headers=desk())).status_code == 202
+        await known(client, "trained", "published")
+
+        deleting = asyncio.create_task(client.delete("/v1/sessions/trained", headers=desk()))
+        [event] = await session_deleted(broker)
+        assert not deleting.done()  # it waits for the trainer's answer
+        await publish(broker, tmp_path, applied(event.group_id, 4, 7, dropped=12))
+        answer = await deleting
+        assert answer.status_code == 200, answer.text
+        assert answer.json() == {
+            "session": "trained",
+            "deleted": True,
+            "applied": True,
+            "trained": True,
+            "trained_versions": [4, 7],
+        }
+        again = await client.delete("/v1/sessions/trained", headers=desk())
+        assert (again.status_code, again.json()) == (200, answer.json())
+        shown = (await client.get("/v1/sessions/trained", headers=desk())).json()
+        assert (shown["state"], shown["dropped_tokens"], shown["version"]) == ("deleted", 12, 8)
+    await session_deleted(broker, 2)  # published again by the repeat: harmless
+    count = registry.get_sample_value("harnessrl_feedback_deletions_total", {"outcome": "applied"})
+    assert count == 2
+
+
+async def test_an_answer_after_the_wait_is_shown_once_it_arrives(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    async with reward_service(broker, tmp_path, delete_wait_s=0.5) as (_, client):
+        await publish(broker, tmp_path, started("ide", "slow"))
+        await known(client, "slow", "open", key=IDE_KEY)
+        ide = {"x-api-key": IDE_KEY}
+        first = await client.delete("/v1/sessions/slow", headers=ide)
+        assert first.status_code == 202 and first.json()["applied"] is False
+        again = await client.delete("/v1/sessions/slow", headers=ide)
+        assert (again.status_code, again.json()) == (202, first.json())
+        await publish(broker, tmp_path, applied("s.ide.slow"))
+
+        async def answered() -> bool:
+            shown = (await client.get("/v1/sessions/slow", headers=ide)).json()
+            return bool(shown["applied"])
+
+        await eventually(answered, timeout=30, interval=0.1)
+        shown = (await client.get("/v1/sessions/slow", headers=ide)).json()
+        assert (shown["trained"], shown["trained_versions"]) == (False, [])
+        last = await client.delete("/v1/sessions/slow", headers=ide)
+        assert last.status_code == 200 and last.json()["trained"] is False
+
+
+async def test_another_apps_key_cannot_delete_a_session(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    async with reward_service(broker, tmp_path, delete_wait_s=0.2) as (_, client):
+        await publish(broker, tmp_path, started("desk", "mine"))
+        await known(client, "mine", "open")
+        thumbs = {"session": "mine", "name": "thumbs", "value": 1}
+        assert (await client.post("/v1/feedback", json=thumbs, headers=desk())).status_code == 202
+        ide = {"x-api-key": IDE_KEY}
+        refused = await client.delete("/v1/sessions/mine", headers=ide)
+        assert refused.status_code == 404 and refused.json()["error"]["field"] == "session"
+        assert (await client.delete("/v1/sessions/never", headers=desk())).status_code == 404
+        assert (await client.delete("/v1/sessions/mine")).status_code == 401
+        assert (await client.delete("/v1/sessions/a%2Fb", headers=desk())).status_code == 400
+        shown = (await client.get("/v1/sessions/mine", headers=desk())).json()
+        assert shown["state"] == "open" and len(shown["signals"]) == 1
+    assert await session_deleted_count(broker) == 0
+
+
+async def session_deleted_count(broker: EmbeddedBroker) -> int:
+    on = await events_on(broker.bootstrap, events.POLICY)
+    return sum(1 for kind, _ in on if kind == "session_deleted")

@@ -1,5 +1,6 @@
 """The reward service's feedback store on a real SQLite file, with a clock passed in: the
-window, idempotency, arrival order, restart, retention, and flat memory at 100k sessions."""
+window, idempotency, arrival order, restart, retention, deletion (nothing of a deleted
+session left in the file or the WAL), and flat memory at 100k sessions."""
 
 from __future__ import annotations
 
@@ -63,7 +64,13 @@ def test_registering_and_ending_twice_changes_nothing(store: FeedbackStore) -> N
     assert not store.end(session(ended_at=T0 + 50))  # the first end stays
     held = store.session("s.desk.sess-0")
     assert held is not None and (held.ended_at, held.view) == (T0 + 5, "awaiting_feedback")
-    assert store.counts == {"open": 0, "awaiting_feedback": 1, "decided": 0, "published": 0}
+    assert store.counts == {
+        "open": 0,
+        "awaiting_feedback": 1,
+        "decided": 0,
+        "published": 0,
+        "deleted": 0,
+    }
 
 
 def test_an_end_without_a_start_registers_the_session(store: FeedbackStore) -> None:
@@ -145,7 +152,13 @@ def test_everything_survives_closing_and_reopening_the_file(tmp_path: Path) -> N
     again = FeedbackStore.open(tmp_path, window_s=WINDOW)
     assert again.signals("s.desk.sess-0") == [signal("k1", T0 + 1)]
     assert [g for g, _ in again.unpublished("", 10)] == ["s.desk.sess-1"]
-    assert again.counts == {"open": 0, "awaiting_feedback": 1, "decided": 1, "published": 0}
+    assert again.counts == {
+        "open": 0,
+        "awaiting_feedback": 1,
+        "decided": 1,
+        "published": 0,
+        "deleted": 0,
+    }
     assert again.add_signal("s.desk.sess-0", signal("k1", T0 + 4)).outcome == "duplicate"
 
 
@@ -254,3 +267,67 @@ def test_a_window_that_ends_without_the_required_signal_decides_by_at_window_end
     partial = pb.RewardAssigned.FromString(decided["s.desk.sess-1"])
     assert empty.missing and "no feedback within the window" in empty.message
     assert (partial.missing, partial.value) == (False, 1.0)  # at_window_end: train
+
+
+def test_a_deleted_session_leaves_only_its_tombstone(store: FeedbackStore) -> None:
+    store.register([session(0), session(1)])
+    store.add_signal("s.desk.sess-0", signal("k1", T0 + 1))
+    store.end(session(0, ended_at=T0 + 5))
+    [(_, reward)] = store.decide(["s.desk.sess-0"], T0 + 6, take_all)
+    assert store.delete("s.desk.nobody", T0 + 7) is None  # unknown: nothing changes
+    tomb = store.delete("s.desk.sess-0", T0 + 7)
+    assert tomb is not None and (tomb.app, tomb.session_id, tomb.deleted_at) == (
+        "desk",
+        "sess-0",
+        T0 + 7,
+    )
+    assert tomb.applied_at is None and tomb.trained_versions == ()
+    assert store.delete("s.desk.sess-0", T0 + 9) == tomb  # idempotent: the first deletion
+    assert store.session("s.desk.sess-0") is None and store.signals("s.desk.sess-0") == []
+    assert store.unpublished("", 10) == []  # its decided reward is gone with it
+    assert store.decide(["s.desk.sess-0"], T0 + 8, take_all) == []
+    # Its events redelivered, a late signal: it stays deleted.
+    assert store.register([session(0)]) == 0
+    assert not store.end(session(0, ended_at=T0 + 5))
+    assert store.add_signal("s.desk.sess-0", signal("k2", T0 + 8)).outcome == "deleted"
+    assert store.session("s.desk.sess-0") is None
+    assert store.counts["deleted"] == 1 and store.counts["open"] == 1
+    assert sum(store.counts.values()) == 2
+    # The trainer's answer: recorded once, the first counts.
+    assert store.applied("s.desk.sess-0", [3, 5], 40, 6, T0 + 10)
+    assert not store.applied("s.desk.sess-0", [9], 0, 9, T0 + 11)
+    assert not store.applied("s.desk.sess-1", [1], 0, 1, T0 + 11)  # not deleted
+    answered = store.tombstone("s.desk.sess-0")
+    assert answered is not None and answered.applied_at == T0 + 10
+    assert (answered.trained_versions, answered.dropped_tokens, answered.version) == ((3, 5), 40, 6)
+    assert store.delete("s.desk.sess-0", T0 + 12) == answered
+    assert reward  # what was decided existed before the deletion
+
+
+def test_deleted_content_is_gone_from_the_database_file_and_the_wal(tmp_path: Path) -> None:
+    marker = "marker-7f3c9e1a-do-not-keep"
+    store = FeedbackStore.open(tmp_path / "sessions", window_s=WINDOW)
+    store.register([session(0), session(1)])
+    for n in range(40):  # enough rows to spread over several pages
+        store.add_signal("s.desk.sess-1", signal(f"other-{n}", T0 + 1))
+    store.add_signal("s.desk.sess-0", signal(f"{marker}-signal", T0 + 1))
+    store.end(session(0, ended_at=T0 + 5))
+    store.decide(["s.desk.sess-0"], T0 + 200, take_all)  # the reward bytes name the key too
+    files = [tmp_path / "sessions" / STORE_FILE, tmp_path / "sessions" / f"{STORE_FILE}-wal"]
+    assert any(marker.encode() in path.read_bytes() for path in files if path.exists())
+
+    assert store.delete("s.desk.sess-0", T0 + 300) is not None
+    for path in files:
+        assert not path.exists() or marker.encode() not in path.read_bytes(), path
+    assert len(store.signals("s.desk.sess-1")) == 40  # the others are untouched
+    store.close()
+    for path in files:
+        assert not path.exists() or marker.encode() not in path.read_bytes(), path
+
+
+def test_retention_deletes_old_tombstones(store: FeedbackStore) -> None:
+    store.register([session(0)])
+    store.delete("s.desk.sess-0", T0 + 10)
+    assert store.expire(T0 + 10, 100) == 0
+    assert store.expire(T0 + 11, 100) == 1
+    assert store.tombstone("s.desk.sess-0") is None and store.counts["deleted"] == 0
