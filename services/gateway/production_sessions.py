@@ -259,6 +259,19 @@ class ProductionSessions:
         )
         return count
 
+    async def delete(self, group_id: str) -> None:
+        """An app deleted the session (SessionDeleted): ended at once if it is open here
+        (its calls in flight finish; EpisodeClosed and EpisodeFinished say `deleted`), and
+        any later call naming it is refused."""
+        session = self._open.get(group_id)
+        if session is not None:
+            await asyncio.shield(self._spawn(session, "deleted"))
+        ended = self._ended.get(group_id)
+        self._ended[group_id] = Ended("deleted", ended.call_count if ended else 0)
+        self._ended.move_to_end(group_id)
+        while len(self._ended) > self._settings.max_open_sessions:
+            self._ended.popitem(last=False)
+
     def sweep(self) -> int:
         """End the sessions idle for `production.idle_s` (or asked to end) whose calls are
         over; returns how many it started ending."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -247,6 +248,8 @@ class GatewayService:
         self._tasks.append(recovering)
         self._background(self._sweep(admin), "sweep")
         handlers: dict[type[Any], EventHandler] = {pb.PolicyLoaded: self._on_loaded}
+        if self.sessions is not None:
+            handlers[pb.SessionDeleted] = self._on_deleted
         if self._config.gateway.follow_control:
             handlers[pb.ControlCommand] = self._on_command
         group = f"harnessrl.gateway.{self._config.instance}"
@@ -340,11 +343,17 @@ class GatewayService:
 
     async def _sweep_sessions(self, sessions: ProductionSessions) -> None:
         """End idle sessions (and those asked to end) within a few seconds of it."""
-        interval = min(5.0, self._config.production.idle_s / 4)
+        production = self._config.production
+        interval = min(5.0, production.idle_s / 4)
+        roll_every = min(3600.0, production.retention_s / 10)
+        rolled = time.monotonic()
         while True:
             await asyncio.sleep(interval)
             if not self.recovery.paused:
                 sessions.sweep()
+            if time.monotonic() - rolled >= roll_every:  # acknowledged records leave the
+                self._bus.producer.roll_spill()  # disk within the hour, not at 64 MB
+                rolled = time.monotonic()
 
     async def _rebuild_versions(self) -> None:
         async def read() -> None:
@@ -362,6 +371,15 @@ class GatewayService:
     async def _on_loaded(self, event: pb.PolicyLoaded, ctx: Context) -> None:
         if self.versions.loaded(event):
             log.info("engine version loaded", engine=event.engine, version=event.version)
+
+    async def _on_deleted(self, event: pb.SessionDeleted, ctx: Context) -> None:
+        """An app deleted a production session: ended if open here, its stored responses
+        dropped, and the spill log rolled so its records leave the disk once delivered."""
+        assert self.sessions is not None
+        await self.sessions.delete(event.group_id)
+        stored = self.responses.forget((event.group_id, 1))
+        self._bus.producer.roll_spill()
+        log.info("session deleted", group_id=event.group_id, responses_dropped=stored)
 
     async def _on_command(self, command: pb.ControlCommand, ctx: Context) -> None:
         """With gateway.follow_control: pause or resume new calls."""

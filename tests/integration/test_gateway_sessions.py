@@ -19,6 +19,7 @@ from pydantic import SecretStr
 
 from harnessrl import events
 from harnessrl.broker import EmbeddedBroker, free_ports
+from harnessrl.bus import Producer
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
 from harnessrl.production import (
     AppSpec,
@@ -313,3 +314,54 @@ async def test_a_session_reaching_a_replica_that_does_not_own_it_is_forwarded_to
         finally:
             await b.stop()
             await running
+
+
+async def test_a_deleted_session_ends_its_stored_responses_and_spilled_records_go(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    marker = "zebra-marker-4412"
+    async with running_stack(
+        broker, tmp_path, TINY, production=_production(), capture_bodies=True
+    ) as stack:
+        client = openai.AsyncOpenAI(
+            base_url=f"{stack.gateway_url}/s/forget-me/v1", api_key=KEY, max_retries=0
+        )
+        response = await client.responses.create(
+            model="m", input=f"My name is {marker}.", max_output_tokens=4
+        )
+        assert (await client.responses.retrieve(response.id)).id == response.id
+        calls = await stack.calls(at_least=1)
+        assert marker.encode() in calls[0].request_body
+        spill = tmp_path / "gw-spill"
+        assert any(marker.encode() in p.read_bytes() for p in spill.rglob("*.seg"))
+        producer = Producer(
+            KafkaSettings(bootstrap_servers=broker.bootstrap),
+            ProducerSettings(spill_dir=tmp_path / "reward-spill"),
+            name="reward/test",
+        )
+        await producer.start()
+        await producer.publish(
+            pb.SessionDeleted(
+                group_id="s.support.forget-me",
+                session=pb.SessionInfo(app="support", session_id="forget-me"),
+            )
+        )
+        await producer.stop()
+
+        async def finished() -> bool:
+            return any(
+                isinstance(e, pb.EpisodeFinished) and e.session.ended_by == "deleted"
+                for e in await _episodes(stack)
+            )
+
+        await eventually(finished, timeout=20)
+        with pytest.raises(openai.ConflictError, match="deleted"):
+            await client.responses.create(model="m", input="again", max_output_tokens=4)
+        with pytest.raises(openai.ConflictError, match="deleted"):
+            await client.responses.retrieve(response.id)
+        assert len(stack.gateway.responses) == 0  # its stored responses are gone
+
+        def spilled() -> bool:
+            return not any(marker.encode() in p.read_bytes() for p in spill.rglob("*.seg"))
+
+        await eventually(spilled, timeout=20)

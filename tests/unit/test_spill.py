@@ -139,3 +139,31 @@ def test_records_read_from_memory_or_disk_are_the_same_in_the_same_order(
         replayed.append(again.read()[1])
     assert replayed == written
     again.close()
+
+
+def test_after_a_roll_every_record_written_leaves_the_disk_once_acknowledged(
+    tmp_path: Path,
+) -> None:
+    """A deletion asks for it: records sitting acknowledged in a half-full segment are gone
+    at once, and those still in flight as soon as they are acknowledged."""
+    log = SpillLog(tmp_path)
+    log.open()
+    for i in range(3):
+        log.append(_record(i))
+    first = log.read()[0]
+    log.ack(first)
+    second, third = log.read()[0], log.read()[0]
+    log.roll()  # two records still in flight
+    assert any(p.stat().st_size for p in tmp_path.glob("*.seg"))
+    log.ack(second)
+    log.ack(third)
+    assert all(p.stat().st_size == 0 for p in tmp_path.glob("*.seg"))
+    log.append(_record(9))  # the log goes on in the fresh segment
+    assert log.read()[1] == _record(9)
+    log.roll()  # nothing acknowledged yet: the record stays until it is
+    assert log.has_unread is False and not log.drained
+    log.close()
+    again = SpillLog(tmp_path)
+    again.open()
+    assert again.read()[1] == _record(9)  # unacknowledged: replayed after a restart
+    again.close()

@@ -192,6 +192,11 @@ class Producer:
             events.topic_of(event), (key or events.event_key(event)).encode(), value, record_headers
         )
 
+    def roll_spill(self) -> None:
+        """Start a fresh spill segment: the records written so far are deleted from disk as
+        soon as they are acknowledged (see SpillLog.roll)."""
+        self._spill.roll()
+
     def publish_raw(
         self, topic: str, key: bytes | None, value: bytes, headers: Headers | None = None
     ) -> asyncio.Future[Ack]:

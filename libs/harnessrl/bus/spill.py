@@ -245,6 +245,19 @@ class SpillLog:
         if advanced:
             self._persist(force=False)
 
+    def roll(self) -> None:
+        """Write further records to a fresh segment, so that every record written so far
+        leaves the disk as soon as it is acknowledged (its segment is deleted then), not
+        when the segment fills up: what a deletion or a retention bound asks of the log."""
+        if self._write_pos[1] > 0:
+            os.close(self._write_fd)
+            segment = self._write_pos[0] + 1
+            self._write_fd = os.open(self._segment_path(segment), os.O_WRONLY | os.O_CREAT, 0o644)
+            if self._read_pos == self._write_pos:  # caught up: nothing to read in the old one
+                self._read_pos = (segment, 0)
+            self._write_pos = (segment, 0)
+        self._persist(force=True)
+
     @property
     def drained(self) -> bool:
         """True when every appended record has been read and acknowledged."""
@@ -253,6 +266,8 @@ class SpillLog:
     # -- internals ---------------------------------------------------------------------------
 
     def _persist(self, *, force: bool) -> None:
+        if self.drained:  # everything written was read and acknowledged
+            self._watermark = self._write_pos
         if self._watermark == self._persisted:
             return
         now = time.monotonic()

@@ -51,6 +51,13 @@ class ResponseStore:
     def delete(self, key: Key, response_id: str) -> bool:
         return self._stored.pop((key, response_id), None) is not None
 
+    def forget(self, key: Key) -> int:
+        """Drop every stored response of the episode `key` (a deleted session); how many."""
+        gone = [k for k in self._stored if k[0] == key]
+        for k in gone:
+            del self._stored[k]
+        return len(gone)
+
     def history(self, key: Key, response_id: str) -> list[dict[str, Any]] | None:
         """The items a request continuing `response_id` starts from: every input and output
         item of the chain, oldest first; None when it (or a response it continued) is not
