@@ -21,6 +21,7 @@ from harnessrl.apps.cli import (
     events_cmd,
     experiment,
     feedback,
+    sessions,
     submit,
     swe,
     trace,
@@ -41,6 +42,7 @@ _TOOLS = (
     chaos,
     swe,
     feedback,
+    sessions,
 )
 
 
