@@ -13,8 +13,16 @@ records, never from the fault injector's expectations.
   lineage of its current weights (steps thrown away with a crash do not count).
 - episodes unaccounted: of the episodes the submitted groups call for, those whose last
   attempt has no `EpisodeFinished`.
-- tokens: completion tokens captured, and completion tokens (loss-mask 1) of the samples
-  the trainer's lineage trained on.
+- tokens, itemized: completion tokens captured (every distinct call) = trained (loss-mask
+  tokens of the samples the trainer's lineage trained on) + dropped by the sample builder,
+  by reason (the GroupSamples token books) + dropped after it (samples published but not in
+  the lineage: stale, too_stale, deleted, or still pending at the stop) + of attempts the
+  controller retried (never in a group's books) + of groups no GroupSamples was published
+  for (`not_built`: waiting, or dropped whole); `tokens_unexplained` is what is left, 0 when
+  the books balance.
+- production sessions (production_traffic.py): calls the app was answered vs captured, and
+  every signal the feedback API accepted joined exactly once into its session's one reward
+  (`signals_missing`, `signals_doubled`, `rewards_conflicting` are 0 when it holds).
 """
 
 from __future__ import annotations
@@ -51,14 +59,26 @@ class Books:
     groups_emitted: set[str] = field(default_factory=set)
     progress: dict[Attempt, int] = field(default_factory=dict)
     """Attempt -> calls its harness recorded as answered before it was killed (or ended)."""
+    group_books: dict[str, Any] = field(default_factory=dict)
+    """Group id -> the token books of its GroupSamples."""
+    sample_group: dict[str, str] = field(default_factory=dict)
+    rewards: dict[str, set[bytes]] = field(default_factory=dict)
+    """Session group -> the distinct RewardAssigned published for it (serialised)."""
+    reward_keys: dict[str, list[str]] = field(default_factory=dict)
+    """Session group -> the idempotency keys of its reward's signals."""
+    told: list[Any] = field(default_factory=list)
+    """What the production app was told (production_traffic.SessionRecord)."""
+
+    def sessions_told(self, records: Iterable[Any]) -> None:
+        self.told = list(records)
 
     def apply(self, kind: str, event: Any) -> None:
         if kind == "task_submitted":
             self.groups[event.group_id] = max(1, event.group_size)
-        elif kind == "episode_started":
+        elif kind == "episode_started" and not event.session.app:
             self.started[event.episode_id].add(event.attempt)
             self.episode_group[event.episode_id] = event.group_id
-        elif kind == "episode_finished":
+        elif kind == "episode_finished" and not event.session.app:
             self.finished[(event.episode_id, event.attempt)] = event
             self.episode_group[event.episode_id] = event.group_id
         elif kind == "model_call":
@@ -71,8 +91,15 @@ class Books:
             self.closed[(event.episode_id, event.attempt)] = event.call_count
         elif kind == "group_samples":
             self.groups_emitted.add(event.group_id)
+            self.group_books.setdefault(event.group_id, event.books)
             for sample in event.samples:
                 self.sample_tokens[sample.sample_id] = sum(1 for m in sample.loss_mask if m)
+                self.sample_group[sample.sample_id] = event.group_id
+        elif kind == "reward_assigned" and event.session.app:
+            self.rewards.setdefault(event.group_id, set()).add(
+                event.SerializeToString(deterministic=True)
+            )
+            self.reward_keys[event.group_id] = [s.idempotency_key for s in event.signals]
 
 
 def reconcile(books: Books, journal: Iterable[StepRecord | Resume]) -> dict[str, Any]:
@@ -123,8 +150,74 @@ def reconcile(books: Books, journal: Iterable[StepRecord | Resume]) -> dict[str,
         "steps": len(steps),
         "samples_trained": len(trained),
         "samples_trained_twice": len(trained_twice(records)),
-        "tokens_captured": sum(len(tokens) for tokens in books.calls.values()),
-        "tokens_trained": sum(books.sample_tokens.get(s, 0) for s in trained),
+        **_tokens(books, set(trained)),
+        **_sessions(books, captured),
+    }
+
+
+def _tokens(books: Books, trained: set[str]) -> dict[str, Any]:
+    """The token books of the run, itemized (module docstring)."""
+    group_of = dict(books.episode_group)
+    captured = 0
+    retried = 0
+    unbuilt = 0
+    for (episode_id, attempt, _), tokens in books.calls.items():
+        captured += len(tokens)
+        finished = books.finished.get((episode_id, attempt))
+        group = group_of.get(episode_id, episode_id)
+        if finished is not None and not finished.final:
+            retried += len(tokens)
+        elif group not in books.group_books:
+            unbuilt += len(tokens)
+    dropped: dict[str, int] = defaultdict(int)
+    for group_books in books.group_books.values():
+        for reason, tokens in group_books.dropped.items():
+            dropped[reason] += tokens
+    after = sum(n for s, n in books.sample_tokens.items() if s not in trained)
+    trained_tokens = sum(books.sample_tokens.get(s, 0) for s in trained)
+    accounted = trained_tokens + sum(dropped.values()) + after + retried + unbuilt
+    return {
+        "tokens_captured": captured,
+        "tokens_trained": trained_tokens,
+        "tokens_dropped": dict(sorted(dropped.items())),
+        "tokens_not_trained_after_building": after,
+        "tokens_of_retried_attempts": retried,
+        "tokens_not_built": unbuilt,
+        "tokens_unexplained": captured - accounted,
+    }
+
+
+def _sessions(books: Books, captured: dict[Attempt, int]) -> dict[str, Any]:
+    """Production sessions: calls answered vs captured, signals accepted vs joined."""
+    if not books.told:
+        return {}
+    answered = lost = accepted = joined = missing = doubled = waiting = rewarded = 0
+    for record in books.told:
+        group = f"s.chaos.{record.session_id}"
+        answered += record.answered
+        lost += max(0, record.answered - captured.get((group, 1), 0))
+        accepted += len(record.signals)
+        keys = books.reward_keys.get(group)
+        rewarded += group in books.rewards
+        if keys is None:
+            waiting += len(record.signals)
+            continue
+        doubled += len(keys) - len(set(keys))
+        joined += len(set(keys) & set(record.signals))
+        missing += len(set(record.signals) - set(keys))
+    return {
+        "sessions": len(books.told),
+        "sessions_calls_answered": answered,
+        "sessions_calls_lost": lost,
+        "sessions_rewarded": sum(
+            1 for r in books.told if f"s.chaos.{r.session_id}" in books.rewards
+        ),
+        "signals_accepted": accepted,
+        "signals_joined": joined,
+        "signals_missing": missing,
+        "signals_doubled": doubled,
+        "signals_awaiting_a_reward": waiting,
+        "rewards_conflicting": sum(1 for found in books.rewards.values() if len(found) > 1),
     }
 
 

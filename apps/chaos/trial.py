@@ -19,14 +19,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from harnessrl.apps.chaos import KILLABLE
 from harnessrl.apps.chaos.killable import ChaosStack
+from harnessrl.apps.chaos.production_traffic import WINDOW_S, ProductionTraffic, session_env
 from harnessrl.apps.chaos.reconcile import Books, reconcile
 from harnessrl.apps.experiment.ledger import TRAIN, RunLedger
 from harnessrl.apps.experiment.topics import task_bus
@@ -61,6 +64,8 @@ class ChaosOptions:
     ready_timeout_s: float = 180.0
     env: dict[str, str] = field(default_factory=dict)
     """Settings for every service (HARNESSRL_...), on top of the config file."""
+    sessions_per_s: float = 0.5
+    """Production sessions opened per second beside the episodes (0: none)."""
 
 
 @dataclass(slots=True)
@@ -87,8 +92,12 @@ async def run_chaos(options: ChaosOptions, progress: IO[str], log_file: IO[str])
     await receiver.start()
     started = time.monotonic()
     try:
-        plan = build_plan(options.config, options.workdir.resolve(), receiver.endpoint)
-        plan = _with_env(plan, {**CHAOS_ENV, **options.env})
+        env = {**CHAOS_ENV, **options.env}
+        if options.sessions_per_s > 0:
+            env.update(session_env(options.workdir))
+        with _environment(env):  # the plan reads the settings the services will
+            plan = build_plan(options.config, options.workdir.resolve(), receiver.endpoint)
+        plan = _with_env(plan, env)
 
         def emit(name: str, line: str) -> None:
             log_file.write(f"{name:>14} | {line}\n")
@@ -99,12 +108,15 @@ async def run_chaos(options: ChaosOptions, progress: IO[str], log_file: IO[str])
         books = Books()
         try:
             await stack.start(options.ready_timeout_s)
-            faults = await _drive(options, stack, _group_size(options.config))
+            traffic = _traffic(options, plan)
+            faults = await _drive(options, stack, _group_size(options.config), traffic)
             progress.write("stopping the services; reconciling\n")
             progress.flush()
             await stack.stop([n for n in stack.names if n != BROKER])
             await _read_topics(plan.bootstrap, books)
             _read_progress(options.workdir / "episodes", books)
+            if traffic is not None:
+                books.sessions_told(traffic.sessions)
         finally:
             await stack.stop()
         from harnessrl.services.trainer import journal
@@ -140,7 +152,36 @@ def _with_env(plan: Any, env: dict[str, str]) -> Any:
     return dataclasses.replace(plan, children=children)
 
 
-async def _drive(options: ChaosOptions, stack: ChaosStack, group_size: int) -> Faults:
+def _traffic(options: ChaosOptions, plan: Any) -> ProductionTraffic | None:
+    if options.sessions_per_s <= 0:
+        return None
+    if plan.feedback_url is None:
+        raise ChaosError("production sessions: the stack serves no feedback API")
+    return ProductionTraffic(
+        plan.gateway.url, plan.feedback_url, rate=options.sessions_per_s, seed=options.seed
+    )
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+async def _drive(
+    options: ChaosOptions,
+    stack: ChaosStack,
+    group_size: int,
+    traffic: ProductionTraffic | None = None,
+) -> Faults:
     """Submit, inject faults until the time is up, drain. Returns the faults injected."""
     ledger = RunLedger()
     faults = Faults()
@@ -148,6 +189,7 @@ async def _drive(options: ChaosOptions, stack: ChaosStack, group_size: int) -> F
         tasks = itertools.cycle(options.tasks)
         deadline = time.monotonic() + options.minutes * 60
         injector = asyncio.create_task(_inject(options, stack, faults, deadline), name="faults")
+        sessions = asyncio.create_task(traffic.run()) if traffic is not None else None
         bar = Progress("chaos", int(options.minutes * 60))
         run_started = time.monotonic()
         try:
@@ -159,6 +201,10 @@ async def _drive(options: ChaosOptions, stack: ChaosStack, group_size: int) -> F
                 bar.update(int(time.monotonic() - run_started), _note(ledger, faults))
             await injector
             bar.close()
+            if traffic is not None and sessions is not None:
+                traffic.stop()  # their feedback goes on; their windows end in the drain
+                await sessions
+                await _settle_sessions(stack, WINDOW_S + 10.0)
             drain = Progress("draining groups", len(ledger.phase(TRAIN)))
             drain_deadline = time.monotonic() + options.drain_timeout_s
             while ledger.outstanding(TRAIN) and time.monotonic() < drain_deadline:
@@ -169,8 +215,23 @@ async def _drive(options: ChaosOptions, stack: ChaosStack, group_size: int) -> F
             drain.close()
         finally:
             injector.cancel()
-            await asyncio.gather(injector, return_exceptions=True)
+            if sessions is not None:
+                sessions.cancel()
+            await asyncio.gather(
+                injector, *([sessions] if sessions else []), return_exceptions=True
+            )
     return faults
+
+
+async def _settle_sessions(stack: ChaosStack, seconds: float) -> None:
+    """Let the last sessions' feedback windows end and their rewards be built."""
+    drain = Progress("feedback windows", int(seconds))
+    started = time.monotonic()
+    while (elapsed := time.monotonic() - started) < seconds:
+        _check(stack, None)
+        drain.update(int(elapsed), "sessions awaiting their reward")
+        await asyncio.sleep(1.0)
+    drain.close()
 
 
 async def _inject(
@@ -245,7 +306,7 @@ async def _read_topics(bootstrap: str, books: Books) -> None:
     from harnessrl.config import KafkaSettings
 
     kafka = KafkaSettings(bootstrap_servers=bootstrap)
-    for topic in (events.TASKS, events.EPISODES, events.CALLS, events.SAMPLES):
+    for topic in (events.TASKS, events.EPISODES, events.CALLS, events.REWARDS, events.SAMPLES):
         async for kind, event, _ in read_to_end(kafka, topic, client_id="harnessrl-chaos"):
             books.apply(kind, event)
 

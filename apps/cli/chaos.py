@@ -54,6 +54,14 @@ def register(commands: Any) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="draws the services to kill (0)")
     parser.add_argument(
+        "--sessions",
+        type=float,
+        default=0.5,
+        metavar="PER_S",
+        help="production sessions opened per second beside the episodes, their feedback "
+        "sent later (0.5; 0: none)",
+    )
+    parser.add_argument(
         "--services",
         metavar="A,B",
         help="the services that may be killed (default: " + ",".join(KILLABLE) + ")",
@@ -95,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         freeze_s=args.freeze,
         seed=args.seed,
         services=services,
+        sessions_per_s=args.sessions,
     )
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     log_path = workdir / "stack.log"
@@ -117,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
         and figures["samples_trained_twice"] == 0
         and figures["episodes_unaccounted"] == 0
         and figures["calls_conflicting"] == 0
+        and figures.get("sessions_calls_lost", 0) == 0
+        and figures.get("signals_missing", 0) == 0
+        and figures.get("signals_doubled", 0) == 0
+        and figures.get("rewards_conflicting", 0) == 0
     )
     return 0 if balanced else 1
 
