@@ -90,7 +90,8 @@ class RunLedger:
                 self.loaded[engine] = max(self.loaded.get(engine, 0), event.version)
         elif kind == "group_samples":
             if event.group_id in self.groups:
-                self.emitted.append(event.group_id)
+                if event.samples:  # a group that trains nothing is published for its books
+                    self.emitted.append(event.group_id)
                 for name in ("calls", "segments", "duplicates_replaced"):
                     self.merge[name] += getattr(event.merge, name)
                 for name in BREAKS:

@@ -101,6 +101,23 @@ class KeptEpisode:
     segments: list[Segment]
 
 
+def published(built: Built, group_id: str, task_id: str, estimator: str) -> pb.GroupSamples:
+    """What goes on hrl.samples for a built group: its samples, or, for a group that trains
+    nothing, a record without samples naming why (`dropped_reason`) with its token books,
+    so every captured token reaches the topic's books."""
+    if built.samples is not None:
+        return built.samples
+    return pb.GroupSamples(
+        group_id=group_id,
+        task_id=task_id,
+        merge=built.merge,
+        dropped=built.episodes_dropped,
+        estimator=estimator,
+        books=built.books,
+        dropped_reason=built.dropped or "dropped",
+    )
+
+
 def build(group: Group, settings: Rules, decode: Decode | None = None) -> Built:
     """The samples of `group` from what has arrived (all of it, unless timed out)."""
     built = Built(samples=None)

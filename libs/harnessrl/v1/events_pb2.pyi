@@ -1162,6 +1162,7 @@ class GroupSamples(_message.Message):
     SPAN_ID_FIELD_NUMBER: _builtins.int
     TRACE_ID_FIELD_NUMBER: _builtins.int
     BOOKS_FIELD_NUMBER: _builtins.int
+    DROPPED_REASON_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     """Group the samples come from (record key)."""
     task_id: _builtins.str
@@ -1172,6 +1173,11 @@ class GroupSamples(_message.Message):
     """Hex span id of the sample builder's span for this group (trace link for the trainer)."""
     trace_id: _builtins.str
     """Hex trace id of the sample builder's span for this group."""
+    dropped_reason: _builtins.str
+    """Why the whole group trains nothing ("val", "zero_variance", "too_few_episodes",
+    "not_explored", "reward_missing", ...); "" when it has samples. A group that trains
+    nothing is published too, without samples, so its token books reach the topic.
+    """
     @_builtins.property
     def samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___Sample]:
         """Samples of every kept episode of the group, ordered by (episode index, segment index)."""
@@ -1200,10 +1206,11 @@ class GroupSamples(_message.Message):
         span_id: _builtins.str = ...,
         trace_id: _builtins.str = ...,
         books: Global___TokenBooks | None = ...,
+        dropped_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["books", b"books", "merge", b"merge"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["books", b"books", "dropped", b"dropped", "estimator", b"estimator", "group_id", b"group_id", "merge", b"merge", "samples", b"samples", "span_id", b"span_id", "task_id", b"task_id", "trace_id", b"trace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["books", b"books", "dropped", b"dropped", "dropped_reason", b"dropped_reason", "estimator", b"estimator", "group_id", b"group_id", "merge", b"merge", "samples", b"samples", "span_id", b"span_id", "task_id", b"task_id", "trace_id", b"trace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
