@@ -150,13 +150,14 @@ def reconcile(books: Books, journal: Iterable[StepRecord | Resume]) -> dict[str,
         "steps": len(steps),
         "samples_trained": len(trained),
         "samples_trained_twice": len(trained_twice(records)),
-        **_tokens(books, set(trained)),
+        **_tokens(books, trained),
         **_sessions(books, captured),
     }
 
 
-def _tokens(books: Books, trained: set[str]) -> dict[str, Any]:
-    """The token books of the run, itemized (module docstring)."""
+def _tokens(books: Books, trained: list[str]) -> dict[str, Any]:
+    """The token books of the run, itemized (module docstring); a sample trained twice
+    counts twice, so the books do not balance then."""
     group_of = dict(books.episode_group)
     captured = 0
     retried = 0
@@ -173,7 +174,8 @@ def _tokens(books: Books, trained: set[str]) -> dict[str, Any]:
     for group_books in books.group_books.values():
         for reason, tokens in group_books.dropped.items():
             dropped[reason] += tokens
-    after = sum(n for s, n in books.sample_tokens.items() if s not in trained)
+    once = set(trained)
+    after = sum(n for s, n in books.sample_tokens.items() if s not in once)
     trained_tokens = sum(books.sample_tokens.get(s, 0) for s in trained)
     accounted = trained_tokens + sum(dropped.values()) + after + retried + unbuilt
     return {

@@ -90,7 +90,7 @@ class RunLedger:
                 self.loaded[engine] = max(self.loaded.get(engine, 0), event.version)
         elif kind == "group_samples":
             if event.group_id in self.groups:
-                if event.samples:  # a group that trains nothing is published for its books
+                if not event.dropped_reason:  # one that trains nothing comes for its books
                     self.emitted.append(event.group_id)
                 for name in ("calls", "segments", "duplicates_replaced"):
                     self.merge[name] += getattr(event.merge, name)
