@@ -85,6 +85,16 @@ demo: venv
 	$(BIN)/harnessrl experiment --config $(DEMO_CONFIG) \
 		--train runs/calculator-train.jsonl --val runs/calculator-val.jsonl --steps $(DEMO_STEPS)
 
+# The production demo: no controller, no task file. `harnessrl up` serves a help desk app
+# (examples/production/app.py) whose simulated users ask and press thumbs for
+# PRODUCTION_MINUTES; their feedback trains the model. The last line printed is the JSON
+# summary; runs/production-<date-time>/ holds report.json and report.png.
+PRODUCTION_MINUTES ?= 5
+.PHONY: demo-production
+demo-production: venv
+	mkdir -p runs
+	$(BIN)/python -m examples.production.demo --minutes $(PRODUCTION_MINUTES)
+
 # The real coding-agent CLIs (Codex, Claude Code) that tests/integration/test_harness_clis.py
 # runs against the gateway, at the exact versions and integrity hashes of the lock file.
 # --ignore-scripts: their postinstall scripts only place the platform binary, which

@@ -56,6 +56,9 @@ class StackPlan:
     """In start order; stopped in reverse."""
     config: Path | None = None
     """The config file every child reads (None: the defaults)."""
+    feedback_url: str | None = None
+    """Base URL of the reward service's feedback API (`POST <url>/v1/feedback`), where
+    production apps send their users' feedback; None when production.apps is not set."""
 
 
 def build_plan(
@@ -65,11 +68,13 @@ def build_plan(
     without: frozenset[str] = frozenset(),
 ) -> StackPlan:
     """Plan the stack, leaving out the services named in `without` (only those in
-    OPTIONAL: a stack that only runs episodes needs no trainer). Ports are picked free now;
-    secrets the config leaves unset are generated for this run (`StackPlan.gateway` carries
-    them, for the stack file). Raises UpError when the config lacks a harness command or
-    `without` names a service that cannot be left out, or pydantic.ValidationError /
-    FileNotFoundError for a bad config."""
+    OPTIONAL: a stack that only runs episodes needs no trainer). A production stack
+    (production.apps set, no controller.harness) runs without the controller: its traffic
+    is the apps' own. Ports are picked free now (the feedback API's too); secrets the config
+    leaves unset are generated for this run (`StackPlan.gateway` carries them, for the stack
+    file). Raises UpError when the config names neither a harness command nor production
+    apps or `without` names a service that cannot be left out, or
+    pydantic.ValidationError / FileNotFoundError for a bad config."""
     if not without <= OPTIONAL:
         names = ", ".join(sorted(without - OPTIONAL))
         raise UpError(f"--without {names}: only {', '.join(sorted(OPTIONAL))} can be left out")
@@ -77,14 +82,25 @@ def build_plan(
     from harnessrl.services.gateway.config import GatewayConfig
 
     controller = load_config(ControllerConfig, config_file).controller
-    gateway = load_config(GatewayConfig, config_file).gateway
+    gateway_config = load_config(GatewayConfig, config_file)
+    gateway, production = gateway_config.gateway, gateway_config.production
+    if controller.harness is None and not production.apps:
+        raise UpError(
+            "controller.harness is not set: name the harness command in the config "
+            "(or production.apps, for a stack that serves production apps alone)"
+        )
     if controller.harness is None:
-        raise UpError("controller.harness is not set: name the harness command in the config")
+        without = without | {"controller"}
     # Every port distinct: picked one at a time, the kernel may hand out the same one twice.
-    kafka_port, weightsync_port, admin_port, *service_ports = free_ports(3 + len(_SERVICES))
+    kafka_port, weightsync_port, admin_port, feedback_port, *service_ports = free_ports(
+        4 + len(_SERVICES)
+    )
     bootstrap = f"{LOCALHOST}:{kafka_port}"
     ports = dict(zip(_SERVICES, service_ports, strict=True))
     shared = _shared_env(bootstrap, telemetry_endpoint, workdir)
+    if production.store == _DEFAULT_STORE:  # a configured store is kept where it is
+        shared["HARNESSRL_PRODUCTION__STORE"] = str(workdir / "sessions")
+    feedback_url = _url(feedback_port) if production.apps else None
     base = [sys.executable, "-m", "harnessrl"]
     config_args = ["--config", str(config_file)] if config_file is not None else []
     access = _gateway_access(gateway, controller, ports["gateway"], admin_port)
@@ -98,7 +114,7 @@ def build_plan(
             "HARNESSRL_GATEWAY__ADMIN_TOKEN": access.admin_token,
             **({"HARNESSRL_GATEWAY__ADMIN_PORT": str(admin_port)} if separate_admin else {}),
         },
-        "reward": {},
+        "reward": {"HARNESSRL_REWARD__FEEDBACK_PORT": str(feedback_port)} if feedback_url else {},
         "sample-builder": {},
         "trainer": {
             "HARNESSRL_TRAINER__WEIGHTSYNC__PORT": str(weightsync_port),
@@ -111,10 +127,8 @@ def build_plan(
             "HARNESSRL_CONTROLLER__ADMIN_TOKEN": access.admin_token,
             "HARNESSRL_CONTROLLER__WORKDIR": str(workdir / "episodes"),
             "HARNESSRL_CONTROLLER__STATE_DIR": str(workdir / "controller"),
-            "HARNESSRL_CONTROLLER__HARNESS__COMMAND": json.dumps(
-                resolve_command(controller.harness.command)
-            ),
-        },
+        }
+        | _harness_env(controller),
     }
     children = []
     for name, section in _SERVICES.items():
@@ -129,7 +143,7 @@ def build_plan(
                 argv=(*base, name, *extra, *config_args),
                 env=env,
                 health_url=f"{_url(port)}/healthz",
-                address=_address(name, port, bootstrap),
+                address=_address(name, port, bootstrap, feedback_url),
             )
         )
     return StackPlan(
@@ -137,7 +151,15 @@ def build_plan(
         gateway=access,
         children=tuple(children),
         config=config_file.resolve() if config_file is not None else None,
+        feedback_url=feedback_url,
     )
+
+
+def _harness_env(controller: ControllerSection) -> dict[str, str]:
+    if controller.harness is None:
+        return {}
+    command = resolve_command(controller.harness.command)
+    return {"HARNESSRL_CONTROLLER__HARNESS__COMMAND": json.dumps(command)}
 
 
 _SERVICES = {spec.name: spec.env_section for spec in registry.started_by_up()}
@@ -145,6 +167,9 @@ _SERVICES = {spec.name: spec.env_section for spec in registry.started_by_up()}
 
 OPTIONAL = registry.optional()
 """Services a stack can run without: episodes are still run, captured and rewarded."""
+
+_DEFAULT_STORE = Path(".harnessrl/sessions")
+"""production.store's default, which `up` moves into its work directory."""
 
 
 def resolve_command(command: list[str]) -> list[str]:
@@ -201,11 +226,13 @@ def _url(port: int) -> str:
     return f"http://{LOCALHOST}:{port}"
 
 
-def _address(name: str, port: int, bootstrap: str) -> str:
+def _address(name: str, port: int, bootstrap: str, feedback_url: str | None) -> str:
     if name == "broker":
         return f"kafka {bootstrap}"
     if name == "inference":
         return f"{_url(port)}/v1 (engine API)"
     if name == "gateway":
         return f"{_url(port)}/v1 (OpenAI), {_url(port)} (Anthropic)"
+    if name == "reward" and feedback_url is not None:
+        return f"{feedback_url}/v1/feedback (feedback API), {_url(port)}/metrics"
     return f"{_url(port)}/metrics"

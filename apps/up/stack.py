@@ -71,7 +71,11 @@ class Stack:
                 write_stack_file(self._stack_file, data, self._plan.gateway)
                 self._out(
                     ready_table(
-                        self._children, self._plan.bootstrap, self._traces, self._stack_file
+                        self._children,
+                        self._plan.bootstrap,
+                        self._traces,
+                        self._stack_file,
+                        feedback_url=self._plan.feedback_url,
                     )
                 )
                 await self._watch()
@@ -135,9 +139,17 @@ async def _unless_stopped(work: Awaitable[None], stop: asyncio.Event) -> bool:
     return False
 
 
-def ready_table(children: list[Child], bootstrap: str, traces: Path, stack_file: Path) -> str:
+def ready_table(
+    children: list[Child],
+    bootstrap: str,
+    traces: Path,
+    stack_file: Path,
+    *,
+    feedback_url: str | None = None,
+) -> str:
     """`READY_LINE`, then one row per service: name, pid, where it listens, health URL;
-    then the broker, the traces and where the stack file is (never a secret)."""
+    then the broker, the traces, the feedback API (a production stack's) and where the
+    stack file is (never a secret)."""
     rows = [("SERVICE", "PID", "LISTENS", "HEALTH")]
     rows += [(c.spec.name, str(c.pid), c.spec.address, c.spec.health_url) for c in children]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
@@ -146,6 +158,8 @@ def ready_table(children: list[Child], bootstrap: str, traces: Path, stack_file:
         cells = "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
         lines.append(f"  {cells}  {row[3]}")
     lines.append(f"  kafka bootstrap {bootstrap}; traces in {traces}")
+    if feedback_url is not None:
+        lines.append(f"  feedback API {feedback_url} (POST /v1/feedback with an app's key)")
     lines.append(
         f"  stack file {stack_file} (gateway URLs and secrets, mode 0600): for "
         "`harnessrl episode open` and `harnessrl experiment --stack`"
@@ -156,8 +170,9 @@ def ready_table(children: list[Child], bootstrap: str, traces: Path, stack_file:
 
 def stack_data(children: list[Child], plan: StackPlan, traces: Path) -> dict[str, object]:
     """What `STACK_FILE` says beside the gateway's access: `up`'s pid, the bootstrap
-    servers, the traces file, the config file, and each service's pid, base URL (its
-    /healthz and /metrics are below it) and address."""
+    servers, the traces file, the config file, the feedback API's base URL ("" when
+    production.apps is not set), and each service's pid, base URL (its /healthz and
+    /metrics are below it) and address."""
     services = {
         c.spec.name: {
             "pid": c.pid,
@@ -171,5 +186,6 @@ def stack_data(children: list[Child], plan: StackPlan, traces: Path) -> dict[str
         "bootstrap": plan.bootstrap,
         "traces": str(traces),
         "config": str(plan.config) if plan.config is not None else "",
+        "feedback_url": plan.feedback_url or "",
         "services": services,
     }
