@@ -64,7 +64,8 @@ class SampleMetrics:
             Counter(
                 "harnessrl_samples_completion_tokens",
                 "Captured completion tokens, by where they went: trained, or the reason "
-                "they were dropped (the token books).",
+                "they were dropped (the token books; a production session's when its "
+                "samples are acknowledged, deleted when its app took it back first).",
                 ["outcome"],
                 registry=r,
             )
@@ -95,7 +96,8 @@ class SampleMetrics:
                 "harnessrl_samples_session_events",
                 "Events of production sessions, by what the store did: stored, duplicate "
                 "(a redelivered copy), late (the session was decided), overflow (a copy past "
-                "the bound on conflicting copies).",
+                "the bound on conflicting copies), deleted (the app deleted the session: "
+                "not stored).",
                 ["outcome"],
                 registry=r,
             )
@@ -105,7 +107,8 @@ class SampleMetrics:
                 "harnessrl_samples_sessions_decided",
                 "Production sessions leaving the wait, by outcome: built (samples stored for "
                 "publication), published, dropped (not trained: see the groups counter for "
-                "the reason), expired (dropped at production.retention_s), publish_refused.",
+                "the reason), expired (dropped at production.retention_s), publish_refused, "
+                "deleted (its app took it back).",
                 ["outcome"],
                 registry=r,
             )
@@ -129,7 +132,11 @@ class SampleMetrics:
             )
         )
 
-    def observe(self, built: Built, mode: int, timed_out: bool, seconds: float) -> None:
+    def observe(
+        self, built: Built, mode: int, timed_out: bool, seconds: float, *, books: bool = True
+    ) -> None:
+        """Count a built group; its token books too unless `books` is False (they are
+        counted later with count_books)."""
         self.groups(built.dropped or "emitted").inc()
         if timed_out:
             self.timed_out.inc()
@@ -141,10 +148,8 @@ class SampleMetrics:
         self.breaks("compaction").inc(merge.break_compaction)
         self.breaks("side_chain").inc(merge.break_side_chain)
         self.breaks("other").inc(merge.break_other)
-        books = built.books
-        self.completion_tokens("trained").inc(books.trained)
-        for reason, tokens in books.dropped.items():
-            self.completion_tokens(reason).inc(tokens)
+        if books:
+            self.count_books(built.books)
         self.duplicates.inc(merge.duplicates_replaced)
         self.truncated.inc(built.truncated)
         self.build_seconds.observe(seconds)
@@ -156,3 +161,9 @@ class SampleMetrics:
                 trained = int(np.count_nonzero(np.asarray(sample.loss_mask, dtype=bool)))
                 self.tokens("trained").inc(trained)
                 self.tokens("context").inc(len(sample.loss_mask) - trained)
+
+    def count_books(self, books: pb.TokenBooks) -> None:
+        """Where a group's captured completion tokens went."""
+        self.completion_tokens("trained").inc(books.trained)
+        for reason, tokens in books.dropped.items():
+            self.completion_tokens(reason).inc(tokens)

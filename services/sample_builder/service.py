@@ -9,7 +9,10 @@ a finished group are ignored rather than built twice.
 
 Production sessions (`s.<app>.<session>` groups, with `production.apps` configured) wait for
 their reward far longer than a group_timeout_s, so they take another path: their events are
-parked in the session store on disk and their records released at once (session_groups.py).
+parked in the session store on disk and their records released once it committed them
+(session_groups.py). Deleted sessions (SessionDeleted on hrl.policy) are followed by a
+consumer group of this instance's own, since each instance purges its own store; a deletion's
+record is committed once the purge is.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from opentelemetry import context as otel_context
 
 from harnessrl import events
 from harnessrl.bus import Context, Hold
-from harnessrl.bus.snapshot import read_keys
+from harnessrl.bus.snapshot import read_keys, read_to_end
 from harnessrl.logs import get_logger
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
@@ -79,7 +82,10 @@ class SampleBuilderService:
         async with AsyncExitStack() as stack:
             # Closed after the producer flushed: its last acknowledgements settle sessions.
             stack.push_async_callback(self._close_sessions)
-            await self._bus.start(stack, topics=[*subscription.topics, events.SAMPLES])
+            topics = [*subscription.topics, events.SAMPLES]
+            if config.production.apps:
+                topics.append(events.POLICY)
+            await self._bus.start(stack, topics=topics)
             self._done = await read_keys(
                 config.kafka, events.SAMPLES, client_id=f"{runtime.producer_name}/rebuild"
             )
@@ -95,7 +101,9 @@ class SampleBuilderService:
                     tracer=self._tracer,
                     decode=self._decode,
                 )
-                await self._sessions.start()
+                await self._sessions.start(deleted=self._deleted_sessions)
+                deletions = {pb.SessionDeleted: self._on_deleted}
+                self._bus.consume(stack, Subscription(f"{GROUP}.{config.instance}", deletions))
             self._bus.consume(stack, subscription)
             sweeper = asyncio.create_task(self._sweep(), name="group timeouts")
             stack.callback(sweeper.cancel)
@@ -118,7 +126,10 @@ class SampleBuilderService:
             await self._sessions.close()
 
     def health(self) -> dict[str, bool]:
-        return {"producer": self._bus.healthy}
+        health = {"producer": self._bus.healthy}
+        if self._sessions is not None:
+            health["session_store"] = self._sessions.healthy
+        return health
 
     async def _on_event(self, event: Any, ctx: Context) -> None:
         """Any of GROUP_EVENTS: added to its group, its record held until the group is."""
@@ -128,7 +139,7 @@ class SampleBuilderService:
         if group_id in self._done:
             return  # late or re-delivered: the group is built already
         if self._sessions is not None and is_session(group_id):
-            await self._sessions.add(kind, event)  # parked on disk: the record is released
+            await self._sessions.add(kind, event, ctx.hold())  # released once parked on disk
             return
         group = self._groups.get(group_id)
         if group is None:
@@ -139,6 +150,24 @@ class SampleBuilderService:
         self._holds[group_id].append(ctx.hold())
         if group.ready:
             self._emit(group_id, timed_out=False)
+
+    async def _deleted_sessions(self) -> set[str]:
+        """Group ids of every SessionDeleted on hrl.policy so far."""
+        return {
+            event.group_id
+            async for _, event, _ in read_to_end(
+                self._config.kafka,
+                events.POLICY,
+                client_id=f"{self._runtime.producer_name}/deleted",
+            )
+            if isinstance(event, pb.SessionDeleted)
+        }
+
+    async def _on_deleted(self, event: pb.SessionDeleted, ctx: Context) -> None:
+        """An app deleted a production session: purged from the store before the record
+        is committed."""
+        assert self._sessions is not None  # consumed only with sessions
+        await self._sessions.delete(event)
 
     def _emit(self, group_id: str, *, timed_out: bool) -> None:
         """Build the group, publish its samples, release its records once acknowledged."""

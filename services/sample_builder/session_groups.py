@@ -1,9 +1,10 @@
 """Production session groups: parked on disk, built exactly once, published from an outbox.
 
 A session's group (`s.<app>.<session>`, one episode) may wait days for its reward, so none
-of it is held in memory or by an uncommitted offset: each event is written to the session
-store (session_store.py) and its record released once the write committed. When the store's
-summary row says the session has everything, its events are reloaded into a Group and built
+of it is held in memory or by an uncommitted offset: each event is queued with its record's
+hold, and a writer parks what is queued in the session store (session_store.py), a batch per
+transaction, and releases the batch's records once it committed. When the store's summary
+row says the session has everything, its events are reloaded into a Group and built
 (trust/session_samples.py). Building advances the baselines, so it happens once: one
 transaction stores the GroupSamples bytes, the advanced baselines and state=built; then the
 bytes are published, and on acknowledgement the session is `published` and its events
@@ -11,6 +12,12 @@ deleted. At start every built-not-published session is published again from its 
 bytes (the same GroupSamples, byte for byte), and sessions left ready by a crash are built.
 A session waiting longer than `production.retention_s` after it ended (or began) is dropped
 and its events purged; decided sessions are forgotten after the same time.
+
+An app that deletes a session (SessionDeleted on hrl.policy) has its parked events and
+unpublished samples purged (`delete`); the tombstone left refuses its later events, and every
+completion token of it that is not on its way to the trainer is counted as dropped, `deleted`.
+The token books of a built session are counted when its samples are acknowledged, so that a
+session deleted before that is counted once, as deleted.
 
 The store is used from one thread of its own, so a commit's fsync never blocks the event
 loop; builds are serialised by a lock, so each reads the baselines the previous one left.
@@ -21,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
@@ -30,10 +37,10 @@ from google.protobuf.message import Message
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext, TraceFlags
 
-from harnessrl.bus import Ack
+from harnessrl.bus import Ack, Hold
 from harnessrl.logs import get_logger
 from harnessrl.production import ProductionSection, parse_session_group, session_traceparent
-from harnessrl.retry import RetryableError
+from harnessrl.retry import Backoff, PermanentError, RetryableError
 from harnessrl.services.sample_builder.config import SampleBuilderSection
 from harnessrl.services.sample_builder.metrics import SampleMetrics
 from harnessrl.services.sample_builder.session_store import SessionStore
@@ -48,6 +55,10 @@ log = get_logger(__name__)
 
 T = TypeVar("T")
 Publish = Callable[[pb.GroupSamples], "asyncio.Future[Ack]"]
+BATCH = 1000
+"""Most events parked in one transaction."""
+MAX_QUEUED = 4 * BATCH
+"""Most events queued for the writer; `add` waits for room beyond (backpressure)."""
 
 
 def is_session(group_id: str) -> bool:
@@ -84,43 +95,134 @@ class SessionGroups:
         self._acks: set[asyncio.Task[None]] = set()
         self._baselines = self._fresh_baselines()
         self._closed = False
+        self._queued: list[tuple[str, Message, Hold]] = []
+        self._room = asyncio.Semaphore(MAX_QUEUED)
+        self._wake = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+        self._failing = False
 
-    async def start(self) -> None:
-        """Load the baselines, publish again what was built but not acknowledged, build
-        what a crash left ready."""
+    @property
+    def healthy(self) -> bool:
+        """False while the writer's last transaction failed (it is tried again), or when
+        the writer ended before close()."""
+        writer = self._writer
+        return not self._failing and (writer is None or not writer.done() or self._closed)
+
+    async def start(self, deleted: Callable[[], Awaitable[Collection[str]]]) -> None:
+        """Load the baselines, publish again what was built but not acknowledged (unless
+        `deleted()`, the sessions deleted so far, names it: then it is deleted here), build
+        what a crash left ready, start the writer. `deleted` is called only when something
+        is to be published again."""
         self._baselines.load(await self._db(self._store.baselines))
         unpublished = await self._db(self._store.unpublished)
+        gone = set(await deleted()) if unpublished else set()
         for group_id, data in unpublished:
-            self._send(group_id, pb.GroupSamples.FromString(data))
+            if group_id in gone:
+                await self._delete(group_id)
+            else:
+                self._send(group_id, pb.GroupSamples.FromString(data))
         ready = await self._db(self._store.ready_sessions)
         for group_id in ready:
             await self._build(group_id, expired=False)
         await self.refresh()
+        self._writer = asyncio.create_task(self._write(), name="session writer")
         log.info("sessions resumed", republished=len(unpublished), built_at_start=len(ready))
 
     async def close(self) -> None:
-        """Wait for the acknowledgements in hand, then close the store. Idempotent."""
+        """Park what is queued and wait for the acknowledgements in hand (10 s each at
+        most), then close the store. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        self._wake.set()
+        if self._writer is not None:
+            await asyncio.wait([self._writer], timeout=10)
+            self._writer.cancel()  # still failing: what is queued is redelivered
+            await asyncio.gather(self._writer, return_exceptions=True)
         if self._acks:
             await asyncio.wait(self._acks, timeout=10)
         await asyncio.get_running_loop().run_in_executor(self._executor, self._store.close)
         self._executor.shutdown(wait=True)
 
-    async def add(self, kind: str, event: Message) -> None:
-        """Park one event of a session group; build the session when it completes it."""
-        group_id: str = getattr(event, "group_id")  # noqa: B009 - every group event has one
-        store = self._store
+    async def add(self, kind: str, event: Message, hold: Hold) -> None:
+        """Queue one event of a session group to be parked; `hold` (its record's) is released
+        once the store committed it. Waits while MAX_QUEUED events are queued."""
+        await self._room.acquire()
+        self._queued.append((kind, event, hold))
+        self._wake.set()
 
-        def add() -> tuple[str, bool]:
-            added = store.add(kind, event, self._clock())
-            return added, added == "stored" and store.ready(group_id)
+    async def _write(self) -> None:
+        """The writer: park what is queued, a batch per transaction; release the batch's
+        records, then build the sessions it completed. A failed transaction is tried again
+        after a backoff (its records still held); close() ends the loop once nothing is
+        queued."""
+        delays = Backoff(0.1, 5.0).delays()
+        while not (self._closed and not self._queued):
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queued:
+                batch = self._queued[:BATCH]
+                try:
+                    added, ready = await self._db(self._park, [(k, e) for k, e, _ in batch])
+                except Exception as err:  # a loop boundary: the batch is tried again
+                    self._failing = True
+                    log.error("parking session events failed", events=len(batch), error=repr(err))
+                    await asyncio.sleep(next(delays))
+                    continue
+                self._failing, delays = False, Backoff(0.1, 5.0).delays()
+                del self._queued[: len(batch)]
+                for (_, event, hold), outcome in zip(batch, added, strict=True):
+                    hold.release()
+                    self._room.release()
+                    self._count(event, outcome)
+                for group_id in ready:
+                    await self._build_logged(group_id)
 
-        added, ready = await self._db(add)
-        self._metrics.session_events(added).inc()
-        if ready:
+    def _count(self, event: Message, outcome: str) -> None:
+        """An event parked (or not): a deleted session's tokens are dropped, `deleted`."""
+        self._metrics.session_events(outcome).inc()
+        if outcome == "deleted" and isinstance(event, pb.ModelCall):
+            self._metrics.completion_tokens("deleted").inc(len(event.completion_token_ids))
+
+    def _park(self, items: Sequence[tuple[str, Message]]) -> tuple[list[str], list[str]]:
+        """On the store's thread: park `items` in one transaction; what was done with each,
+        and the sessions they completed."""
+        added = self._store.add(items, self._clock())
+        stored = {
+            getattr(event, "group_id")  # noqa: B009 - every group event has one
+            for (_, event), outcome in zip(items, added, strict=True)
+            if outcome == "stored"
+        }
+        return list(added), [g for g in sorted(stored) if self._store.ready(g)]
+
+    async def _build_logged(self, group_id: str) -> None:
+        """Build a session the writer completed; a failure is logged and leaves it ready
+        (built at the next start, or when another of its events arrives)."""
+        try:
             await self._build(group_id, expired=False)
+        except Exception as err:  # a loop boundary: the writer goes on
+            log.error("session build failed", group_id=group_id, error=repr(err))
+
+    async def delete(self, event: pb.SessionDeleted) -> None:
+        """The app took the session back: its parked events and unpublished samples are
+        purged (committed when this returns), its tombstone refuses its later events, and
+        the tokens purged are counted as dropped, `deleted`. Samples already published are
+        the trainer's to drop. Idempotent. Raises PermanentError for a group id that names
+        no session."""
+        if not is_session(event.group_id):
+            raise PermanentError(f"SessionDeleted.group_id: {event.group_id!r} names no session")
+        await self._delete(event.group_id)
+
+    async def _delete(self, group_id: str) -> None:
+        deletion = await self._db(self._store.delete, group_id, self._clock())
+        if deletion is None:
+            log.info("session deleted already", group_id=group_id)
+            return
+        self._metrics.completion_tokens("deleted").inc(deletion.tokens)
+        self._metrics.sessions_decided("deleted").inc()
+        log.info(
+            "session deleted", group_id=group_id, was=deletion.previous, tokens=deletion.tokens
+        )
 
     async def sweep(self) -> None:
         """Drop sessions past the retention, forget decided ones past it, update gauges."""
@@ -219,7 +321,8 @@ class SessionGroups:
             tokens_dropped=dict(built.books.dropped),
         )
         metrics = self._metrics
-        metrics.observe(built, group.mode, expired, seconds)
+        # A built session's books are counted when its samples are acknowledged (_settle).
+        metrics.observe(built, group.mode, expired, seconds, books=samples is None)
         metrics.sessions_decided("built" if samples is not None else "dropped").inc()
         if expired:
             metrics.sessions_decided("expired").inc()
@@ -228,21 +331,29 @@ class SessionGroups:
 
     def _send(self, group_id: str, samples: pb.GroupSamples) -> None:
         delivery = self._publish(samples)
-        delivery.add_done_callback(partial(self._acknowledged, group_id))
+        delivery.add_done_callback(partial(self._acknowledged, group_id, samples.books))
 
-    def _acknowledged(self, group_id: str, delivery: asyncio.Future[Ack]) -> None:
+    def _acknowledged(
+        self, group_id: str, books: pb.TokenBooks, delivery: asyncio.Future[Ack]
+    ) -> None:
         if delivery.cancelled() or self._closed:
             return  # shutting down: still built, published again at the next start
         refused = delivery.exception()
         if refused is not None:
             log.error("session samples refused", group_id=group_id, error=repr(refused))
-        task = asyncio.ensure_future(self._settle(group_id, refused=refused is not None))
+        task = asyncio.ensure_future(self._settle(group_id, books, refused=refused is not None))
         self._acks.add(task)
         task.add_done_callback(self._acks.discard)
 
-    async def _settle(self, group_id: str, *, refused: bool) -> None:
-        if await self._db(partial(self._store.published, group_id, refused=refused)):
-            self._metrics.sessions_decided("publish_refused" if refused else "published").inc()
+    async def _settle(self, group_id: str, books: pb.TokenBooks, *, refused: bool) -> None:
+        """The acknowledged session is published (or dropped, refused) and its books counted;
+        nothing when it is not built any more (deleted meanwhile: counted as deleted)."""
+        if not await self._db(partial(self._store.published, group_id, refused=refused)):
+            return
+        self._metrics.sessions_decided("publish_refused" if refused else "published").inc()
+        if refused:  # what would have trained is dropped
+            books = pb.TokenBooks(dropped={**books.dropped, "publish_refused": books.trained})
+        self._metrics.count_books(books)
 
     async def _db(self, call: Callable[..., T], *args: Any) -> T:
         """`call(*args)` on the store's thread; SQLite's operational errors (busy, locked,

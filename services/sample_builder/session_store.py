@@ -12,20 +12,28 @@ lets its Kafka record go once the commit returned. Three tables:
   kept), all in arrival order so a reload hands them to a Group in the same order.
 - `sessions`: one summary row per session: closed call_count, finished, distinct calls
   received, reward present, state, first_seen and ended_at (seconds, wall clock), and while
-  it is `built` the GroupSamples bytes (the outbox). Readiness is read from this row.
+  it is `built` the GroupSamples bytes (the outbox). Readiness is read from this row. A
+  deleted session's row is its tombstone: state `deleted`, deleted_at and the completion
+  tokens it had captured (`tokens`); nothing else of it is kept.
 - `baselines`: the serialized session baselines, written in the transaction of the build
   that advanced them.
 
-A session moves waiting -> built -> published, or to dropped (TRANSITIONS, checked in
-`_move`); its events are deleted when it leaves `built` or `waiting` for good, and its row
-when `purge` finds it decided longer ago than the retention. One thread uses a store.
+A session moves waiting -> built -> published, or to dropped, and from any of these to
+deleted when its app takes it back (TRANSITIONS, checked in `_move`); its events are deleted
+when it leaves `built` or `waiting` for good, and its row when `purge` finds it decided (or
+deleted) longer ago than the retention. Events are parked a batch per transaction (`add`):
+one fsync for a consumer's batch rather than one per event.
+
+A deletion leaves no trace of the session's content in the files: the connection runs with
+secure_delete (freed content is overwritten with zeros) and `delete` checkpoints the WAL
+into the database and truncates it after its commit. One thread uses a store.
 """
 
 from __future__ import annotations
 
 import hashlib
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,19 +42,24 @@ from typing import Literal
 from google.protobuf.message import Message
 
 from harnessrl import events
+from harnessrl.logs import get_logger
 from harnessrl.trust.group import MAX_COPIES
 from harnessrl.v1 import events_pb2 as pb
 
-State = Literal["waiting", "built", "published", "dropped"]
-Added = Literal["stored", "duplicate", "late", "overflow"]
-"""What `add` did: stored the event, found it stored already, found the session decided
-already (late), or let a copy past the bound go (overflow)."""
+log = get_logger(__name__)
+
+State = Literal["waiting", "built", "published", "dropped", "deleted"]
+Added = Literal["stored", "duplicate", "late", "overflow", "deleted"]
+"""What `add` did with an event: stored it, found it stored already, found the session
+decided already (late), let a copy past the bound go (overflow), or found the session
+deleted (the event is not stored)."""
 
 TRANSITIONS: dict[State, frozenset[State]] = {
-    "waiting": frozenset({"built", "dropped"}),
-    "built": frozenset({"published", "dropped"}),
-    "published": frozenset(),
-    "dropped": frozenset(),
+    "waiting": frozenset({"built", "dropped", "deleted"}),
+    "built": frozenset({"published", "dropped", "deleted"}),
+    "published": frozenset({"deleted"}),
+    "dropped": frozenset({"deleted"}),
+    "deleted": frozenset(),
 }
 FILE_NAME = "sample-builder.sqlite"
 KINDS: dict[str, type[Message]] = {
@@ -69,7 +82,9 @@ CREATE TABLE IF NOT EXISTS sessions (
     calls INTEGER NOT NULL DEFAULT 0,
     reward INTEGER NOT NULL DEFAULT 0,
     decided_at REAL,
-    samples BLOB
+    samples BLOB,
+    deleted_at REAL,
+    tokens INTEGER
 );
 CREATE INDEX IF NOT EXISTS sessions_by_state ON sessions (state);
 CREATE TABLE IF NOT EXISTS events (
@@ -87,6 +102,8 @@ CREATE TABLE IF NOT EXISTS baselines (
     state BLOB NOT NULL
 );
 """
+_ADDED_COLUMNS = {"deleted_at": "REAL", "tokens": "INTEGER"}
+"""Columns of `sessions` a store written before them lacks (added when it is opened)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +120,15 @@ class SessionRow:
     reward: bool
 
 
+@dataclass(frozen=True, slots=True)
+class Deletion:
+    """What `delete` found: the session's state before, and the completion tokens of the
+    events it purged (each stored copy, as the books count them)."""
+
+    previous: State
+    tokens: int
+
+
 class SessionStore:
     """The sample builder's SQLite store of sessions (see the module docstring)."""
 
@@ -112,7 +138,12 @@ class SessionStore:
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA secure_delete=ON")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
+        for name, kind in _ADDED_COLUMNS.items():
+            if name not in columns:
+                self._db.execute(f"ALTER TABLE sessions ADD COLUMN {name} {kind}")
 
     def close(self) -> None:
         """Idempotent."""
@@ -130,42 +161,13 @@ class SessionStore:
 
     # -- waiting -------------------------------------------------------------------------
 
-    def add(self, kind: str, event: Message, now: float) -> Added:
-        """Park one event of a session group (`kind` its envelope field name); idempotent.
-        `now` (seconds) is its first_seen when it opens the session, its ended_at when it
-        finishes it."""
-        group_id: str = getattr(event, "group_id")  # noqa: B009 - every group event has one
-        identity = events.event_id(event)
-        body = event.SerializeToString(deterministic=True)
-        digest = hashlib.blake2b(body, digest_size=16).digest()
+    def add(self, items: Sequence[tuple[str, Message]], now: float) -> list[Added]:
+        """Park events of session groups, (kind, event) with `kind` the envelope field name,
+        in one transaction (committed when this returns, or nothing written when it raises);
+        what was done with each, in order. Idempotent. `now` (seconds) is the first_seen of a
+        session an event opens, the ended_at of one it finishes."""
         with self._transaction() as db:
-            db.execute(
-                "INSERT OR IGNORE INTO sessions (group_id, first_seen) VALUES (?, ?)",
-                (group_id, now),
-            )
-            (state,) = db.execute(
-                "SELECT state FROM sessions WHERE group_id = ?", (group_id,)
-            ).fetchone()
-            if state != "waiting":
-                return "late"
-            held = db.execute(
-                "SELECT digest = ? FROM events WHERE group_id = ? AND identity = ?",
-                (digest, group_id, identity),
-            ).fetchall()
-            if any(same for (same,) in held):
-                return "duplicate"
-            if len(held) > MAX_COPIES:
-                if kind != "model_call":
-                    return "overflow"
-                body = _stand_in(event, digest)  # type: ignore[arg-type]  # a model_call
-            seq = getattr(event, "seq") if kind == "model_call" else None  # noqa: B009
-            db.execute(
-                "INSERT INTO events (group_id, identity, digest, kind, seq, body) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (group_id, identity, digest, kind, seq, body),
-            )
-            _summarise(db, kind, event, group_id, first=not held, now=now)
-        return "stored"
+            return [_add(db, kind, event, now) for kind, event in items]
 
     def ready(self, group_id: str) -> bool:
         """Whether a waiting session has everything: finished, closed with every call below
@@ -221,6 +223,37 @@ class SessionStore:
         ).fetchall()
         return [g for (g,) in rows]
 
+    def delete(self, group_id: str, now: float) -> Deletion | None:
+        """The app took the session back: in one transaction its parked events and stored
+        GroupSamples bytes are purged and its row becomes a tombstone (`deleted`, deleted_at
+        `now`, the tokens it had captured), made for a session never seen too, so that its
+        later events are refused; then the WAL is checkpointed and truncated. None (nothing
+        written) when it is deleted already."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO sessions (group_id, first_seen) VALUES (?, ?)",
+                (group_id, now),
+            )
+            (state,) = db.execute(
+                "SELECT state FROM sessions WHERE group_id = ?", (group_id,)
+            ).fetchone()
+            if state == "deleted":
+                return None
+            bodies = db.execute(
+                "SELECT body FROM events WHERE group_id = ? AND kind = 'model_call'", (group_id,)
+            ).fetchall()
+            tokens = sum(len(pb.ModelCall.FromString(b).completion_token_ids) for (b,) in bodies)
+            _move(db, group_id, state, "deleted")
+            db.execute(
+                "UPDATE sessions SET samples = NULL, deleted_at = ?, tokens = ? WHERE group_id = ?",
+                (now, tokens, group_id),
+            )
+            db.execute("DELETE FROM events WHERE group_id = ?", (group_id,))
+        (busy, _, _) = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if busy:  # another connection reads: the WAL is truncated by a later checkpoint
+            log.warning("session store checkpoint blocked", path=str(self.path))
+        return Deletion(state, tokens)
+
     # -- the outbox ----------------------------------------------------------------------
 
     def decide(
@@ -270,11 +303,13 @@ class SessionStore:
         return bytes(row[0]) if row else b""
 
     def purge(self, before: float) -> int:
-        """Forget published and dropped sessions decided before `before` (seconds): a late
-        copy of their events opens them again (and they expire again). Their count."""
+        """Forget published and dropped sessions decided, and tombstones deleted, before
+        `before` (seconds): a late copy of their events opens them again (and they expire
+        again). Their count."""
         with self._transaction() as db:
             cursor = db.execute(
-                "DELETE FROM sessions WHERE state IN ('published', 'dropped') AND decided_at < ?",
+                "DELETE FROM sessions WHERE state IN ('published', 'dropped', 'deleted') "
+                "AND COALESCE(deleted_at, decided_at) < ?",
                 (before,),
             )
         return cursor.rowcount
@@ -289,6 +324,38 @@ class SessionStore:
     def parked_events(self) -> int:
         (n,) = self._db.execute("SELECT COUNT(*) FROM events").fetchone()
         return int(n)
+
+
+def _add(db: sqlite3.Connection, kind: str, event: Message, now: float) -> Added:
+    """Park one event (see SessionStore.add)."""
+    group_id: str = getattr(event, "group_id")  # noqa: B009 - every group event has one
+    identity = events.event_id(event)
+    body = event.SerializeToString(deterministic=True)
+    digest = hashlib.blake2b(body, digest_size=16).digest()
+    db.execute(
+        "INSERT OR IGNORE INTO sessions (group_id, first_seen) VALUES (?, ?)", (group_id, now)
+    )
+    (state,) = db.execute("SELECT state FROM sessions WHERE group_id = ?", (group_id,)).fetchone()
+    if state != "waiting":
+        return "deleted" if state == "deleted" else "late"
+    held = db.execute(
+        "SELECT digest = ? FROM events WHERE group_id = ? AND identity = ?",
+        (digest, group_id, identity),
+    ).fetchall()
+    if any(same for (same,) in held):
+        return "duplicate"
+    if len(held) > MAX_COPIES:
+        if kind != "model_call":
+            return "overflow"
+        body = _stand_in(event, digest)  # type: ignore[arg-type]  # a model_call
+    seq = getattr(event, "seq") if kind == "model_call" else None  # noqa: B009
+    db.execute(
+        "INSERT INTO events (group_id, identity, digest, kind, seq, body) "
+        "VALUES (?, ?, ?, ?, ?, ?)",
+        (group_id, identity, digest, kind, seq, body),
+    )
+    _summarise(db, kind, event, group_id, first=not held, now=now)
+    return "stored"
 
 
 def _move(db: sqlite3.Connection, group_id: str, old: State, new: State) -> bool:

@@ -1,7 +1,8 @@
 """Production sessions through the sample builder on the real broker: parked on disk while
 they wait for their reward (their records released, nothing held in memory), built exactly
 once when it comes, across restarts and redeliveries, and published again from the store's
-outbox after a crash between the build and the acknowledgement."""
+outbox after a crash between the build and the acknowledgement; a session its app deleted
+(SessionDeleted on hrl.policy) purged from the store and never published, across restarts."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from tests.helpers import FAST_GROUP, committed_offsets, eventually, topic_size
 from tests.integration.test_sample_builder import publish, samples_on_topic
 from tests.unit.test_session_samples import GROUP as SESSION
 from tests.unit.test_session_samples import reward_event, session_events
+from tests.unit.test_session_store import MARKERS, captured, files_hold, with_markers
 
 pytestmark = pytest.mark.integration
 
@@ -185,8 +187,7 @@ async def test_samples_built_before_a_crash_are_published_again_byte_for_byte(
     """The crash is staged in the store: a session built (its bytes and baselines committed)
     whose publication was never acknowledged."""
     store = SessionStore(tmp_path / "sessions")
-    for kind, event in session_events():
-        store.add(kind, event, 1.0)
+    store.add(session_events(), 1.0)
     built = pb.GroupSamples(group_id=SESSION, estimator="session_baseline", span_id="ab" * 8)
     built.samples.add(sample_id=f"{SESSION}/1/0", token_ids=[1, 2, 3], advantages=[0, 1, 2])
     built.books.dropped["retried"] = 3
@@ -237,3 +238,122 @@ async def test_a_session_waiting_past_its_retention_is_dropped_and_purged(
 
         await eventually(purged, timeout=30, interval=0.2)
         assert await topic_size(broker.bootstrap, events.SAMPLES) == 0
+
+
+# -- deletion ------------------------------------------------------------------------------
+
+
+def deleted(group_id: str = SESSION) -> pb.SessionDeleted:
+    deletion = pb.SessionDeleted(
+        group_id=group_id, session=pb.SessionInfo(app="desk", session_id="chat-1")
+    )
+    deletion.requested_at.FromSeconds(1_000)
+    return deletion
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+def deleted_tokens(registry: CollectorRegistry) -> float:
+    return value(registry, "harnessrl_samples_completion_tokens_total", outcome="deleted")
+
+
+async def test_a_session_deleted_before_its_reward_is_never_built_and_leaves_no_trace(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    registry = CollectorRegistry()
+    items = with_markers(session_events(reward=None))
+    tokens = captured(items)
+    store = tmp_path / "sessions"
+    async with session_builder(broker, tmp_path, "sb-d", registry):
+        await publish(broker, tmp_path, events_only(items))
+        await parked(registry, len(items))
+        assert all(files_hold(store, m) for m in MARKERS)
+        await publish(broker, tmp_path, [deleted()])
+
+        async def purged() -> bool:
+            offsets = await committed_offsets(broker.bootstrap, f"{GROUP}.sb-d", events.POLICY)
+            return deleted_tokens(registry) == tokens and sum(offsets.values()) == 1
+
+        await eventually(purged, timeout=30, interval=0.1)
+        assert not any(files_hold(store, m) for m in MARKERS)  # while the builder runs
+        # Its reward, a late call and the deletion again: dropped, nothing stored or built.
+        late = items[2][1]
+        assert isinstance(late, pb.ModelCall)
+        await publish(broker, tmp_path, [reward_event(1.0, TURNS), late, deleted()])
+
+        async def dropped() -> bool:
+            return count(registry, "deleted") == 2
+
+        await eventually(dropped, timeout=30, interval=0.1)
+        await asyncio.sleep(0.5)
+        assert deleted_tokens(registry) == tokens + len(late.completion_token_ids)
+        decided = "harnessrl_samples_sessions_decided_total"
+        assert value(registry, decided, outcome="deleted") == 1
+        assert await topic_size(broker.bootstrap, events.SAMPLES) == 0
+    sessions = SessionStore(store)
+    row = sessions.session(SESSION)
+    assert row is not None and row.state == "deleted" and sessions.parked_events() == 0
+    sessions.close()
+    assert not any(files_hold(store, m) for m in MARKERS)
+
+
+async def test_a_deleted_session_stays_deleted_across_a_restart(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    items = events_only(session_events(reward=None))
+    first = CollectorRegistry()
+    async with session_builder(broker, tmp_path, "sb-t", first):
+        await publish(broker, tmp_path, items)
+        await parked(first, len(items))
+        await publish(broker, tmp_path, [deleted()])
+
+        async def purged() -> bool:
+            return deleted_tokens(first) > 0
+
+        await eventually(purged, timeout=30, interval=0.1)
+    second = CollectorRegistry()
+    async with session_builder(broker, tmp_path, "sb-t", second):
+        # Its events again (as a redelivery brings them) and its reward: the tombstone on
+        # disk drops them; the deletion, committed, is not applied again.
+        await publish(broker, tmp_path, [*items, reward_event(1.0, TURNS)])
+
+        async def dropped() -> bool:
+            return count(second, "deleted") == len(items) + 1
+
+        await eventually(dropped, timeout=30, interval=0.1)
+        await asyncio.sleep(0.5)
+        assert count(second, "stored") == 0
+        decided = "harnessrl_samples_sessions_decided_total"
+        assert value(second, decided, outcome="deleted") == 0
+        assert await topic_size(broker.bootstrap, events.SAMPLES) == 0
+
+
+async def test_samples_built_but_unpublished_at_a_crash_are_not_published_once_deleted(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """The crash is staged in the store (a built session whose publication was never
+    acknowledged); its app deleted the session while the builder was down."""
+    items = session_events()
+    store = SessionStore(tmp_path / "sessions")
+    store.add(items, 1.0)
+    built = pb.GroupSamples(group_id=SESSION, estimator="session_baseline")
+    built.samples.add(sample_id=f"{SESSION}/1/0", token_ids=[1, 2, 3])
+    assert store.decide(SESSION, built.SerializeToString(), b"", 2.0)
+    store.close()
+    await publish(broker, tmp_path, [deleted()])
+    registry = CollectorRegistry()
+    async with session_builder(broker, tmp_path, "sb-u", registry):
+
+        async def purged() -> bool:
+            offsets = await committed_offsets(broker.bootstrap, f"{GROUP}.sb-u", events.POLICY)
+            return sum(offsets.values()) == 1
+
+        await eventually(purged, timeout=30, interval=0.1)
+        assert deleted_tokens(registry) == captured(items)
+        await asyncio.sleep(0.5)
+        assert await topic_size(broker.bootstrap, events.SAMPLES) == 0
+    store = SessionStore(tmp_path / "sessions")
+    assert store.unpublished() == [] and store.parked_events() == 0
+    store.close()

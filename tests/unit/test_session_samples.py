@@ -1,10 +1,8 @@
-"""A production session becomes samples (trust/session_samples.py), is parked and decided
-once in the sample builder's store (session_store.py), and its per-token advantages reach
-the trainer's micro-batches (trust/packing.py)."""
+"""A production session becomes samples (trust/session_samples.py), and its per-token
+advantages reach the trainer's micro-batches (trust/packing.py). The sample builder's store
+of sessions is tested in test_session_store.py."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,8 +11,7 @@ from google.protobuf.message import Message
 
 from harnessrl.production import ProductionSection
 from harnessrl.services.sample_builder.config import SampleBuilderSection
-from harnessrl.services.sample_builder.session_store import SessionStore
-from harnessrl.trust.group import MAX_COPIES, Group
+from harnessrl.trust.group import Group
 from harnessrl.trust.packing import SampleArrays, normalization_weights, pack
 from harnessrl.trust.session_baseline import Baselines, session_keys
 from harnessrl.trust.session_samples import SessionBuilt, build_session
@@ -248,66 +245,6 @@ def test_a_build_advances_each_baseline_once() -> None:
     assert session is not None and session.count == 1 and session.mean == 1.0
     assert turn is not None and turn.count == 2  # two credited turns, each once
     assert state.estimate([("desk", "", "")]) is not None  # the app's key learns it too
-
-
-# -- the store -----------------------------------------------------------------------------
-
-
-def test_the_store_parks_events_once_and_reads_readiness_from_the_summary(tmp_path: Path) -> None:
-    store = SessionStore(tmp_path)
-    items = session_events()
-    for kind, event in items[:-1]:
-        assert store.add(kind, event, 10.0) == "stored"
-        assert store.add(kind, event, 11.0) == "duplicate"
-    assert not store.ready(GROUP)
-    assert store.add(*items[-1], 12.0) == "stored"
-    assert store.ready(GROUP) and store.ready_sessions() == [GROUP]
-    row = store.session(GROUP)
-    assert row is not None and (row.first_seen, row.ended_at, row.calls) == (10.0, 10.0, 3)
-    loaded = store.load(GROUP)
-    assert [(k, e.SerializeToString()) for k, e in loaded] == [
-        (k, e.SerializeToString()) for k, e in items
-    ]
-    store.close()
-
-
-def test_a_session_is_decided_once_and_its_outbox_survives_a_restart(tmp_path: Path) -> None:
-    store = SessionStore(tmp_path)
-    for kind, event in session_events():
-        store.add(kind, event, 1.0)
-    assert store.decide(GROUP, b"samples", b"[1]", 2.0)
-    assert not store.decide(GROUP, b"other", b"[2]", 3.0)  # built already: nothing changes
-    assert store.add(*session_events()[-1], 4.0) == "late"
-    store.close()
-    store = SessionStore(tmp_path)
-    assert store.unpublished() == [(GROUP, b"samples")] and store.baselines() == b"[1]"
-    assert store.published(GROUP) and not store.published(GROUP)
-    assert store.unpublished() == [] and store.load(GROUP) == [] and store.parked_events() == 0
-    assert store.counts()["published"] == 1
-    assert store.purge(2.5) == 1 and store.session(GROUP) is None
-    store.close()
-
-
-def test_the_store_bounds_conflicting_copies_as_the_group_does(tmp_path: Path) -> None:
-    store = SessionStore(tmp_path)
-    items = session_events(calls=1)
-    call = items[1][1]
-    assert isinstance(call, pb.ModelCall)
-    copies = []
-    for i in range(MAX_COPIES + 3):
-        copy = pb.ModelCall()
-        copy.CopyFrom(call)
-        copy.completion_logprobs[0] = -0.01 * (i + 1)
-        copies.append(copy)
-    in_memory = group_of([*items, *(("model_call", c) for c in copies)])
-    for kind, event in [*items, *(("model_call", c) for c in copies)]:
-        store.add(kind, event, 1.0)
-    reloaded = Group(GROUP, 0.0)
-    for kind, event in store.load(GROUP):
-        reloaded.add(kind, event)
-    ((mine,), (theirs,)) = reloaded.episodes(), in_memory.episodes()
-    assert mine.calls == theirs.calls and mine.overflow() == theirs.overflow() == (9, 3)
-    store.close()
 
 
 # -- packing ------------------------------------------------------------------------------
