@@ -25,6 +25,8 @@ BUCKET_S = 30.0
 """Width of the success-over-time buckets, in seconds."""
 EDGE = 0.2
 """Share of the greedy conversations (by time) that make "early" and "late"."""
+MIN_BUCKET = 10
+"""Fewest conversations a bucket needs for its success rate to be shown."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +37,7 @@ class Measured:
     """The sample builder's harnessrl_samples_completion_tokens_total by outcome (trained
     or the reason it dropped them): the sessions it decided."""
     groups: list[pb.GroupSamples]
-    """The GroupSamples of the app's sessions on hrl.samples (the trained ones)."""
+    """The GroupSamples of the app's sessions on hrl.samples."""
     trainer_dropped: Mapping[str, float]
     """harnessrl_trainer_tokens_dropped_total by reason."""
     steps: list[StepRecord]
@@ -110,6 +112,8 @@ def _timeline(
             {"at_s": i * BUCKET_S, "greedy": _rate(g), "greedy_n": len(g)}
             | {"explored": _rate(e), "explored_n": len(e)}
         )
+    if buckets and buckets[-1]["greedy_n"] < MIN_BUCKET:
+        buckets.pop()  # the last few answers, after the users stopped asking
     return buckets
 
 
@@ -136,7 +140,7 @@ def _books(measured: Measured) -> dict[str, Any]:
         "dropped": dict(sorted(dropped.items())),
         "pending": kept - trained - trainer_dropped,
         "undecided": measured.captured - decided,
-        "trained_sessions": len(measured.groups),
+        "trained_sessions": sum(1 for g in measured.groups if g.samples),
     }
 
 
@@ -151,7 +155,7 @@ def write_report(report: Mapping[str, Any], run_dir: Path) -> None:
     fig = Figure(figsize=(13, 4.5), dpi=100, layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=(3, 2))
     timeline = report["timeline"]
-    minutes = [b["at_s"] / 60 for b in timeline]
+    minutes = [(b["at_s"] + BUCKET_S / 2) / 60 for b in timeline]
     for key, label in (("greedy", "as the app asked (temperature 0)"), ("explored", "explored")):
         left.plot(minutes, [b[key] for b in timeline], marker="o", label=label)
     for step in report["steps"]:
