@@ -371,4 +371,17 @@ BENCHMARKS = (
         "reaches with each. numpy, seeded, seconds. The last line is one JSON object.",
         _own_arguments("session_baseline"),
     ),
+    Benchmark(
+        "sessions",
+        "sessions",
+        "production sessions through the real services: sessions/s, signals/s, memory",
+        "Start the embedded broker, a stand-in engine and `harnessrl gateway`, `reward` and "
+        "`sample-builder` with one production app; drive --sessions sessions (one chat call "
+        "naming the session, then its end) through the gateway until the reward service holds "
+        "them all awaiting feedback; read each process's peak and current memory with a tenth "
+        "and with all of them waiting; send one feedback signal per session until every reward "
+        "is published and every session built; last, a baseline of controller episodes (one "
+        "call and a close) through the same gateway. The last line is one JSON object.",
+        _own_arguments("sessions"),
+    ),
 )

@@ -94,6 +94,11 @@ COMMANDS: tuple[tuple[str, str], ...] = (
         "tests/integration/test_bench_http.py::test_bench_http_measures_every_stack_in_one_run",
     ),
     (
+        rf"{_H} bench sessions ",
+        "tests/integration/test_bench_sessions.py::"
+        "test_bench_sessions_accounts_for_every_session_from_its_call_to_its_samples",
+    ),
+    (
         rf"{_H} bench samples ",
         "tests/unit/test_bench_samples.py::"
         "test_bench_samples_json_prints_one_line_with_the_figures",
