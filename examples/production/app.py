@@ -198,12 +198,13 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             result = solve(client, body.question)
         finally:
+            response_ids = desk.ids.pop(conversation)
             desk.end(conversation)
         return {
             "conversation": conversation,
             "answer": result["answer"],
             "kind": kind,
-            "response_ids": desk.ids.pop(conversation),
+            "response_ids": response_ids,
         }
 
     @app.post("/thumbs")

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from harnessrl import events
+from harnessrl.apps.up.plan import UpError, build_plan
 from harnessrl.production import key_digest
 from harnessrl.services.trainer.journal import lineage, read, trained_twice
 from harnessrl.v1 import events_pb2 as pb
@@ -46,6 +47,23 @@ trainer:
   checkpoint_every: 1
 """
 QUESTION = "What is 17 + 25?"
+
+
+def test_up_plans_a_production_stack_without_a_controller_and_gives_feedback_a_port(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "production.yaml"
+    config.write_text(CONFIG)
+    plan = build_plan(config, tmp_path, "http://127.0.0.1:4317")
+    env = {spec.name: spec.env for spec in plan.children}
+    assert list(env) == ["broker", "inference", "gateway", "reward", "sample-builder", "trainer"]
+    port = env["reward"]["HARNESSRL_REWARD__FEEDBACK_PORT"]
+    assert plan.feedback_url == f"http://127.0.0.1:{port}"
+    assert {e["HARNESSRL_PRODUCTION__STORE"] for e in env.values()} == {str(tmp_path / "sessions")}
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(CONFIG.partition("production:")[0])  # neither a harness nor an app
+    with pytest.raises(UpError, match=r"controller\.harness is not set"):
+        build_plan(bare, tmp_path, "http://127.0.0.1:4317")
 
 
 async def _openai_session(gateway: str, session: str) -> None:
