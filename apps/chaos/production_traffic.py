@@ -53,7 +53,7 @@ def session_env(workdir: Path) -> dict[str, str]:
 
 
 @dataclass(slots=True)
-class SessionRecord:
+class TrafficSession:
     """What the app was told about one session."""
 
     session_id: str
@@ -76,7 +76,7 @@ class ProductionTraffic:
         self._rng = random.Random(seed)
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
-        self.sessions: list[SessionRecord] = []
+        self.sessions: list[TrafficSession] = []
         self._auth = {"authorization": f"Bearer {APP_KEY}"}
 
     def stop(self) -> None:
@@ -87,7 +87,7 @@ class ProductionTraffic:
         async with httpx.AsyncClient(timeout=30.0) as http:
             n = 0
             while not self._stop.is_set():
-                record = SessionRecord(f"chaos-{n}")
+                record = TrafficSession(f"chaos-{n}")
                 n += 1
                 self.sessions.append(record)
                 task = asyncio.create_task(self._session(http, record))
@@ -98,7 +98,7 @@ class ProductionTraffic:
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _session(self, http: httpx.AsyncClient, record: SessionRecord) -> None:
+    async def _session(self, http: httpx.AsyncClient, record: TrafficSession) -> None:
         headers = {**self._auth, "x-harnessrl-session": record.session_id}
         question = self._rng.choice(_QUESTIONS)
         messages: list[dict[str, Any]] = [{"role": "user", "content": question}]

@@ -67,7 +67,7 @@ class Books:
     reward_keys: dict[str, list[str]] = field(default_factory=dict)
     """Session group -> the idempotency keys of its reward's signals."""
     told: list[Any] = field(default_factory=list)
-    """What the production app was told (production_traffic.SessionRecord)."""
+    """What the production app was told (production_traffic.TrafficSession)."""
 
     def sessions_told(self, records: Iterable[Any]) -> None:
         self.told = list(records)

@@ -164,7 +164,9 @@ class SessionsBook:
         elif kind == "group_samples" and event.estimator == "session_baseline":
             line = self.line(group_id)
             line.samples = len(event.samples)
-            if event.dropped:
+            if event.dropped_reason:  # the session trains nothing, and this is why
+                line.dropped = event.dropped_reason
+            elif event.dropped:
                 line.dropped = event.dropped[0].reason
             line.captured = event.books.captured  # the same for a republished one
             line.trained_tokens = event.books.trained

@@ -178,8 +178,9 @@ class ProductionSection(Section):
     idle_s: float = Field(default=1800.0, gt=0)
     """A session with no call for this long ends on its own (`ended_by: idle`)."""
     max_open_sessions: int = Field(default=100_000, ge=1)
-    """Most sessions one gateway replica holds open; a new session past it gets 503 with
-    Retry-After (the least recently used are ended as idle first, when idle for a minute)."""
+    """Most sessions one gateway replica holds open (a new session past it gets 503 with
+    Retry-After until idle ones end), and as many ended ones it remembers, so that a call
+    naming one is refused (409)."""
     feedback: FeedbackSection = FeedbackSection()
     """The feedback signals and their window."""
     baseline: BaselineSection = BaselineSection()

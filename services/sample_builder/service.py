@@ -38,7 +38,7 @@ from harnessrl.services.sample_builder.metrics import SampleMetrics
 from harnessrl.services.sample_builder.session_groups import SessionGroups, call_links, is_session
 from harnessrl.services.sample_builder.session_store import SessionStore
 from harnessrl.trust.group import Group
-from harnessrl.trust.samples import Built, Decode, build
+from harnessrl.trust.samples import Built, Decode, build, published
 from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)
@@ -182,10 +182,12 @@ class SampleBuilderService:
             built = build(group, self._settings, self._decode)
             span.set_attribute("harnessrl.group_id", group_id)
             span.set_attribute("harnessrl.samples.outcome", built.dropped or "emitted")
-            if built.samples is not None:
-                ids = span.get_span_context()
-                built.samples.span_id = f"{ids.span_id:016x}"
-                built.samples.trace_id = f"{ids.trace_id:032x}"
+            # A group that trains nothing (val, zero variance, ...) is published without
+            # samples, so that its token books reach hrl.samples too.
+            record = published(built, group_id, group.task_id, self._settings.estimator)
+            ids = span.get_span_context()
+            record.span_id = f"{ids.span_id:016x}"
+            record.trace_id = f"{ids.trace_id:032x}"
         self.metrics.observe(built, group.mode, timed_out, time.perf_counter() - started)
         log.info(
             "group built",
@@ -198,10 +200,7 @@ class SampleBuilderService:
             tokens_trained=built.books.trained,
             tokens_dropped=dict(built.books.dropped),
         )
-        if built.samples is None:
-            _release(holds)
-            return
-        delivery = self._bus.producer.publish(built.samples)
+        delivery = self._bus.producer.publish(record)
         delivery.add_done_callback(lambda f: self._published(f, group_id, holds, built))
 
     def _published(

@@ -46,8 +46,9 @@ from harnessrl.services.sample_builder.metrics import SampleMetrics
 from harnessrl.services.sample_builder.session_store import SessionStore
 from harnessrl.telemetry import extract_context
 from harnessrl.trust.group import Group
-from harnessrl.trust.samples import Decode
+from harnessrl.trust.samples import Decode, published
 from harnessrl.trust.session_baseline import Baselines
+from harnessrl.trust.session_samples import ESTIMATOR as SESSION_ESTIMATOR
 from harnessrl.trust.session_samples import SessionBuilt, build_session
 from harnessrl.v1 import events_pb2 as pb
 
@@ -282,12 +283,13 @@ class SessionGroups:
             )
             built = result.built
             samples = built.samples
-            data = None
-            if samples is not None:
-                ids = span.get_span_context()
-                samples.span_id = f"{ids.span_id:016x}"
-                samples.trace_id = f"{ids.trace_id:032x}"
-                data = samples.SerializeToString(deterministic=True)
+            # A session that trains nothing is published too, without samples: its token
+            # books reach hrl.samples like every other group's.
+            record = published(built, group_id, group_id, SESSION_ESTIMATOR)
+            ids = span.get_span_context()
+            record.span_id = f"{ids.span_id:016x}"
+            record.trace_id = f"{ids.trace_id:032x}"
+            data = record.SerializeToString(deterministic=True)
             span.set_attribute("harnessrl.group_id", group_id)
             span.set_attribute("harnessrl.samples.outcome", built.dropped or "emitted")
             trained = baselines.to_bytes() if samples is not None else None
@@ -295,7 +297,7 @@ class SessionGroups:
                 return  # decided meanwhile (it cannot be: builds hold the lock)
             if samples is not None:
                 self._baselines = baselines
-                self._send(group_id, samples)  # in the span: its record carries the trace
+            self._send(group_id, record)  # in the span: its record carries the trace
             self._report(result, group, app, expired, time.perf_counter() - started)
 
     def _report(
@@ -321,8 +323,8 @@ class SessionGroups:
             tokens_dropped=dict(built.books.dropped),
         )
         metrics = self._metrics
-        # A built session's books are counted when its samples are acknowledged (_settle).
-        metrics.observe(built, group.mode, expired, seconds, books=samples is None)
+        # A session's books are counted when its record is acknowledged (_settle).
+        metrics.observe(built, group.mode, expired, seconds, books=False)
         metrics.sessions_decided("built" if samples is not None else "dropped").inc()
         if expired:
             metrics.sessions_decided("expired").inc()

@@ -36,7 +36,8 @@ from harnessrl.services.trainer.lora import adapter_spec
 from harnessrl.services.trainer.metrics import TrainerMetrics
 from harnessrl.services.trainer.policy import Policy
 from harnessrl.services.trainer.swap import EngineWatch
-from harnessrl.trust.batching import SESSION_ESTIMATOR, Batch, Batcher
+from harnessrl.trust.batching import Batch, Batcher
+from harnessrl.trust.session_samples import ESTIMATOR as SESSION_ESTIMATOR
 from harnessrl.trust.step import StepStats
 from harnessrl.v1 import events_pb2 as pb
 from harnessrl.v1 import weights_pb2 as weights_pb

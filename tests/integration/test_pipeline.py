@@ -92,7 +92,10 @@ async def test_every_answered_call_is_trained_or_accounted_for_and_traced_to_its
         if kind == "episode_finished" and e.final
     }
     groups = {e.group_id: e for kind, e in await events_on(broker.bootstrap, events.SAMPLES)}
-    assert set(groups) == {"p-a", "p-b"}  # the val group is evaluated, never trained
+    assert set(groups) == {"p-a", "p-b", "p-val"}
+    # The val group is evaluated, never trained: published without samples, for its books.
+    assert not groups["p-val"].samples and groups["p-val"].dropped_reason == "val"
+    assert groups["p-val"].books.captured == groups["p-val"].books.dropped["val"] > 0
     books: dict[str, int] = {}
     for call in calls:
         reason = _account(call, finals, groups, trained)

@@ -237,7 +237,7 @@ async def test_a_restart_mid_group_builds_each_group_once_with_identical_bytes(
         )
 
 
-async def test_zero_variance_and_val_groups_are_not_emitted_but_counted(
+async def test_zero_variance_and_val_groups_train_nothing_and_their_books_are_published(
     broker: EmbeddedBroker, tmp_path: Path
 ) -> None:
     flat = group_events("flat", (1.0, 1.0, 1.0))
@@ -248,7 +248,12 @@ async def test_zero_variance_and_val_groups_are_not_emitted_but_counted(
     registry = CollectorRegistry()
     async with sample_builder(broker, tmp_path, registry=registry):
         await publish(broker, tmp_path, flat + val + group_events("ok"))
-        (group,) = await samples_on_topic(broker, 1)
+        records = {g.group_id: g for g in await samples_on_topic(broker, 3)}
+        group = records["ok"]
+        for name, reason in (("flat", "zero_variance"), ("val", "val")):
+            dropped = records[name]
+            assert not dropped.samples and dropped.dropped_reason == reason
+            assert dropped.books.captured == dropped.books.dropped[reason] > 0
 
         async def counted() -> bool:
             value = registry.get_sample_value

@@ -32,7 +32,7 @@ from harnessrl.services.sample_builder.config import SampleBuilderConfig, Sample
 from harnessrl.services.sample_builder.service import GROUP, SampleBuilderService
 from harnessrl.services.sample_builder.session_store import SessionStore
 from harnessrl.v1 import events_pb2 as pb
-from tests.helpers import FAST_GROUP, committed_offsets, eventually, topic_size
+from tests.helpers import FAST_GROUP, committed_offsets, events_on, eventually, topic_size
 from tests.integration.test_sample_builder import publish, samples_on_topic
 from tests.unit.test_session_samples import GROUP as SESSION
 from tests.unit.test_session_samples import reward_event, session_events
@@ -224,10 +224,12 @@ async def test_a_session_waiting_past_its_retention_is_dropped_and_purged(
         await eventually(expired, timeout=30, interval=0.1)
         value = registry.get_sample_value
         tokens = sum(len(e.completion_token_ids) for e in waiting if isinstance(e, pb.ModelCall))
-        assert (
-            value("harnessrl_samples_completion_tokens_total", {"outcome": "reward_missing"})
-            == tokens
-        )
+
+        async def counted() -> bool:  # when its record (no samples, its books) is acknowledged
+            outcome = {"outcome": "reward_missing"}
+            return value("harnessrl_samples_completion_tokens_total", outcome) == tokens
+
+        await eventually(counted, timeout=30, interval=0.1)
 
         async def purged() -> bool:
             store = SessionStore(tmp_path / "sessions")
@@ -237,7 +239,9 @@ async def test_a_session_waiting_past_its_retention_is_dropped_and_purged(
                 store.close()
 
         await eventually(purged, timeout=30, interval=0.2)
-        assert await topic_size(broker.bootstrap, events.SAMPLES) == 0
+        (record,) = [g for _, g in await events_on(broker.bootstrap, events.SAMPLES)]
+        assert not record.samples and record.dropped_reason == "reward_missing"
+        assert record.books.dropped["reward_missing"] == tokens
 
 
 # -- deletion ------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from collections.abc import Set
 from dataclasses import dataclass, field
 
 from harnessrl.trust.packing import SampleArrays
+from harnessrl.trust.session_samples import ESTIMATOR as SESSION_ESTIMATOR
 from harnessrl.v1 import events_pb2 as pb
 
 
@@ -43,10 +44,6 @@ class Staleness:
     def remembered(self) -> int:
         """Versions back the trainer must remember what it trained (the larger bound)."""
         return max(self.max_versions, self.max_session_versions)
-
-
-SESSION_ESTIMATOR = "session_baseline"
-"""GroupSamples.estimator of a production session's samples."""
 
 
 def stale_reason(group: pb.GroupSamples) -> str:
