@@ -13,7 +13,7 @@ from typing import Any
 
 from harnessrl.command import CliError
 
-DEFAULT_URL = "http://127.0.0.1:8240"
+DEFAULT_URL = "http://127.0.0.1:8260"
 """The feedback API of a local reward service (reward.feedback_port's default)."""
 DEFAULT_KEY_ENV = "HARNESSRL_APP_KEY"
 

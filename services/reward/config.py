@@ -84,7 +84,7 @@ class RewardSection(ServiceSection):
     port: int = Field(default=8220, ge=0, le=65535)
     """Port of /healthz and /metrics (the service has no other API: harnesses cannot reach
     a reward)."""
-    feedback_port: int = Field(default=8240, ge=0, le=65535)
+    feedback_port: int = Field(default=8260, ge=0, le=65535)
     """Port of the feedback API (POST /v1/feedback, GET and DELETE /v1/sessions/{id},
     /healthz), where
     production apps send feedback about their sessions with their own keys; served only
