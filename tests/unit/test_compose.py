@@ -193,6 +193,7 @@ def check_setting(cls: type[ServiceConfig], own_section: str, key: str) -> None:
     path = key.removeprefix(PREFIX).lower().split("__")
     model: type[BaseModel] = cls
     shared = {"instance", "kafka", "producer", "consumer", "telemetry", "log"}
+    shared |= {"production"} & set(cls.model_fields)  # the services of production sessions
     assert path[0] in shared | {own_section}, f"{key}: not a section {own_section} reads"
     for i, part in enumerate(path):
         field = model.model_fields.get(part)
