@@ -15,8 +15,9 @@ records, never from the fault injector's expectations.
   attempt has no `EpisodeFinished`.
 - tokens, itemized: completion tokens captured (every distinct call) = trained (loss-mask
   tokens of the samples the trainer's lineage trained on) + dropped by the sample builder,
-  by reason (the GroupSamples token books) + dropped after it (samples published but not in
-  the lineage: stale, too_stale, deleted, or still pending at the stop) + of attempts the
+  by reason (the GroupSamples token books) + dropped by the trainer, by reason
+  (PolicyVersion.tokens_dropped: stale, too_stale, deleted) + pending (samples published,
+  neither trained nor dropped when the run stopped) + of attempts the
   controller retried (never in a group's books) + of groups no GroupSamples was published
   for (`not_built`: waiting, or dropped whole); `tokens_unexplained` is what is left, 0 when
   the books balance.
@@ -68,6 +69,8 @@ class Books:
     """Session group -> the idempotency keys of its reward's signals."""
     told: list[Any] = field(default_factory=list)
     """What the production app was told (production_traffic.TrafficSession)."""
+    trainer_dropped: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Tokens the trainer dropped, by reason, from the versions it announced."""
 
     def sessions_told(self, records: Iterable[Any]) -> None:
         self.told = list(records)
@@ -95,6 +98,9 @@ class Books:
             for sample in event.samples:
                 self.sample_tokens[sample.sample_id] = sum(1 for m in sample.loss_mask if m)
                 self.sample_group[sample.sample_id] = event.group_id
+        elif kind == "policy_version":
+            for reason, tokens in event.tokens_dropped.items():
+                self.trainer_dropped[reason] += tokens
         elif kind == "reward_assigned" and event.session.app:
             self.rewards.setdefault(event.group_id, set()).add(
                 event.SerializeToString(deterministic=True)
@@ -172,17 +178,20 @@ def _tokens(books: Books, trained: list[str]) -> dict[str, Any]:
             unbuilt += len(tokens)
     dropped: dict[str, int] = defaultdict(int)
     for group_books in books.group_books.values():
-        for reason, tokens in group_books.dropped.items():
-            dropped[reason] += tokens
+        for reason, count in group_books.dropped.items():
+            dropped[reason] += count
     once = set(trained)
     after = sum(n for s, n in books.sample_tokens.items() if s not in once)
+    for reason, count in books.trainer_dropped.items():
+        dropped[f"trainer:{reason}"] += count
+    pending = after - sum(books.trainer_dropped.values())
     trained_tokens = sum(books.sample_tokens.get(s, 0) for s in trained)
-    accounted = trained_tokens + sum(dropped.values()) + after + retried + unbuilt
+    accounted = trained_tokens + sum(dropped.values()) + pending + retried + unbuilt
     return {
         "tokens_captured": captured,
         "tokens_trained": trained_tokens,
         "tokens_dropped": dict(sorted(dropped.items())),
-        "tokens_not_trained_after_building": after,
+        "tokens_pending_at_stop": pending,
         "tokens_of_retried_attempts": retried,
         "tokens_not_built": unbuilt,
         "tokens_unexplained": captured - accounted,

@@ -306,7 +306,8 @@ async def _read_topics(bootstrap: str, books: Books) -> None:
     from harnessrl.config import KafkaSettings
 
     kafka = KafkaSettings(bootstrap_servers=bootstrap)
-    for topic in (events.TASKS, events.EPISODES, events.CALLS, events.REWARDS, events.SAMPLES):
+    topics = (events.TASKS, events.EPISODES, events.CALLS, events.REWARDS, events.SAMPLES)
+    for topic in (*topics, events.POLICY):
         async for kind, event, _ in read_to_end(kafka, topic, client_id="harnessrl-chaos"):
             books.apply(kind, event)
 

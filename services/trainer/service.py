@@ -13,6 +13,7 @@ skips what its weights hold — no sample is trained twice, none is skipped.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -84,6 +85,8 @@ class TrainerService:
         self.metrics = TrainerMetrics(runtime.registry)
         self.ready = asyncio.Event()
         self.finished = asyncio.Event()
+        self._dropped_since: Counter[str] = Counter()
+        """Tokens dropped since the last announced version (PolicyVersion.tokens_dropped)."""
         self._deleted: set[str] = set()
         """Production sessions deleted (SessionDeleted on hrl.policy, read back at start):
         none of their samples is ever trained."""
@@ -194,6 +197,7 @@ class TrainerService:
         if group.group_id in self._deleted:  # an app took the session back
             tokens = sum(sum(1 for m in s.loss_mask if m) for s in group.samples)
             self.metrics.tokens_dropped("deleted").inc(tokens)
+            self._dropped_since["deleted"] += tokens
             ledger.offer(group.samples, taken=(), hold=ctx.hold)
             return
         taken = self._batcher.add(
@@ -213,6 +217,7 @@ class TrainerService:
             self.metrics.samples_dropped(reason).inc(count)
         for reason, tokens in self._batcher.dropped_tokens.items():
             self.metrics.tokens_dropped(reason).inc(tokens)
+            self._dropped_since[reason] += tokens
         self._batcher.dropped.clear()
         self._batcher.dropped_tokens.clear()
 
@@ -378,8 +383,10 @@ class TrainerService:
                 manifest_checksum=manifest.manifest_checksum,
                 checkpoint_uri=checkpoint,
                 session_groups=sessions or [],
+                tokens_dropped={k: v for k, v in sorted(self._dropped_since.items()) if v},
             )
         )
+        self._dropped_since.clear()
 
     def _address(self, server: WeightSyncServer) -> str:
         return self._settings.advertise_address or server.address

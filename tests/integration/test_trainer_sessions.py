@@ -80,3 +80,6 @@ async def test_a_deleted_session_is_never_trained_and_the_answer_names_what_trai
         await eventually(next_trained, timeout=60)
         assert "s.support.late/1/0" not in trained_ids(tmp_path)
         assert service.version == 2
+        # The trainer's part of the token books: the late session's tokens, dropped.
+        announced = {v.version: dict(v.tokens_dropped) for v in await _of(broker, pb.PolicyVersion)}
+        assert announced[2] == {"deleted": 3}

@@ -1225,12 +1225,33 @@ class PolicyVersion(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class TokensDroppedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     VERSION_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     WEIGHTSYNC_ADDRESS_FIELD_NUMBER: _builtins.int
     MANIFEST_CHECKSUM_FIELD_NUMBER: _builtins.int
     CHECKPOINT_URI_FIELD_NUMBER: _builtins.int
     SESSION_GROUPS_FIELD_NUMBER: _builtins.int
+    TOKENS_DROPPED_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """New version number; strictly increasing, 0 is the initial weights."""
     step: _builtins.int
@@ -1247,6 +1268,12 @@ class PolicyVersion(_message.Message):
         trained (so `harnessrl sessions` and a deletion can say which version used a session).
         """
 
+    @_builtins.property
+    def tokens_dropped(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Loss-mask tokens of samples the trainer dropped since the version before this one, by
+        reason ("stale", "too_stale", "deleted"): the trainer's part of the token books.
+        """
+
     def __init__(
         self,
         *,
@@ -1256,10 +1283,11 @@ class PolicyVersion(_message.Message):
         manifest_checksum: _builtins.str = ...,
         checkpoint_uri: _builtins.str = ...,
         session_groups: _abc.Iterable[_builtins.str] | None = ...,
+        tokens_dropped: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_uri", b"checkpoint_uri", "manifest_checksum", b"manifest_checksum", "session_groups", b"session_groups", "step", b"step", "version", b"version", "weightsync_address", b"weightsync_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_uri", b"checkpoint_uri", "manifest_checksum", b"manifest_checksum", "session_groups", b"session_groups", "step", b"step", "tokens_dropped", b"tokens_dropped", "version", b"version", "weightsync_address", b"weightsync_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
