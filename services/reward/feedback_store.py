@@ -28,6 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
+from harnessrl import sqlite_store
+from harnessrl.logs import get_logger
+
+log = get_logger(__name__)
+
 STORE_FILE = "reward.sqlite"
 MAX_SIGNALS_PER_SESSION = 256
 """Signals one session may hold: its RewardAssigned carries them all, and must stay small."""
@@ -207,11 +212,7 @@ class FeedbackStore:
     @classmethod
     def open(cls, directory: Path, *, window_s: float) -> FeedbackStore:
         """Open (creating) the store in `directory`."""
-        directory.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(directory / STORE_FILE, isolation_level=None)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
-        db.execute("PRAGMA secure_delete=ON")  # deleted content is overwritten, not left free
+        db = sqlite_store.connect(directory / STORE_FILE)
         db.executescript(_SCHEMA + _TRIGGERS)
         return cls(db, window_s)
 
@@ -221,13 +222,8 @@ class FeedbackStore:
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+        with sqlite_store.transaction(self._db) as db:
+            yield db
         self._recount()
 
     def _recount(self) -> None:
@@ -404,7 +400,8 @@ class FeedbackStore:
                 "INSERT INTO deletions (group_id, app, session_id, deleted_at) VALUES (?,?,?,?)",
                 (group_id, *head, now),
             )
-        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        if not sqlite_store.truncate_wal(self._db):
+            log.warning("feedback store checkpoint blocked: the log is emptied later")
         return Tombstone(group_id, head[0], head[1], now)
 
     def tombstone(self, group_id: str) -> Tombstone | None:

@@ -33,15 +33,15 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from google.protobuf.message import Message
 
-from harnessrl import events
+from harnessrl import events, sqlite_store
 from harnessrl.logs import get_logger
 from harnessrl.trust.group import MAX_COPIES
 from harnessrl.v1 import events_pb2 as pb
@@ -133,12 +133,8 @@ class SessionStore:
     """The sample builder's SQLite store of sessions (see the module docstring)."""
 
     def __init__(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / FILE_NAME
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA secure_delete=ON")
+        self._db = sqlite_store.connect(self.path, any_thread=True)
         self._db.executescript(_SCHEMA)
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
         for name, kind in _ADDED_COLUMNS.items():
@@ -149,15 +145,8 @@ class SessionStore:
         """Idempotent."""
         self._db.close()
 
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+    def _transaction(self) -> AbstractContextManager[sqlite3.Connection]:
+        return sqlite_store.transaction(self._db)
 
     # -- waiting -------------------------------------------------------------------------
 
@@ -249,8 +238,7 @@ class SessionStore:
                 (now, tokens, group_id),
             )
             db.execute("DELETE FROM events WHERE group_id = ?", (group_id,))
-        (busy, _, _) = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-        if busy:  # another connection reads: the WAL is truncated by a later checkpoint
+        if not sqlite_store.truncate_wal(self._db):  # another connection reads: later
             log.warning("session store checkpoint blocked", path=str(self.path))
         return Deletion(state, tokens)
 
