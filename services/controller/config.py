@@ -203,6 +203,9 @@ class ControllerSection(SharedSecretsSection):
     the controller's secrets never reach a harness)."""
     workdir: Path = Path(".harnessrl/episodes")
     """Local runner: root of the per-episode working directories."""
+    episode_retention_s: float = Field(default=7 * 86_400.0, ge=3600.0)
+    """A run's directory under `workdir` is deleted once nothing in it changed for this long
+    (never a run in progress: it is kept at least the harness timeout plus an hour)."""
     state_dir: Path = Path(".harnessrl/controller")
     """Local runner: records of the runs in progress (for recovery after a restart)."""
     log_cap_bytes: int = Field(default=1 * MiB, ge=1024)

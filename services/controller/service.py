@@ -29,6 +29,7 @@ from harnessrl.services.controller.attempts import EpisodeRunner, EpisodeTask
 from harnessrl.services.controller.config import MAX_GROUP_SIZE, ControllerConfig, HarnessSpec
 from harnessrl.services.controller.gateway_admin import Gateways
 from harnessrl.services.controller.phases import EpisodeLedger
+from harnessrl.services.controller.retention import prune
 from harnessrl.services.controller.runner import Runner
 from harnessrl.v1 import events_pb2 as pb
 
@@ -116,6 +117,8 @@ class ControllerService:
             self.metrics.groups.set_function(lambda: len(self._groups))
             self.metrics.running.set_function(lambda: admission.in_flight)
             self._consume(stack, admission)
+            pruning = asyncio.create_task(self._prune(), name="episode retention")
+            stack.callback(pruning.cancel)
             log.info(
                 "controller running",
                 runner=runner.name,
@@ -127,6 +130,15 @@ class ControllerService:
 
     async def stop(self) -> None:
         self._stopping.set()
+
+    async def _prune(self) -> None:
+        """Delete the episode directories older than the retention, now and then."""
+        section = self._config.controller
+        timeouts = [h.timeout_s for h in (section.harness, *section.families.values()) if h]
+        keep = max(section.episode_retention_s, max(timeouts, default=0.0) + 3600.0)
+        while True:
+            await asyncio.to_thread(prune, section.workdir, keep)
+            await asyncio.sleep(min(3600.0, section.episode_retention_s / 10))
 
     def health(self) -> dict[str, bool]:
         return {"producer": self._bus.healthy}
