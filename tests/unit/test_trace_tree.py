@@ -35,6 +35,7 @@ from harnessrl.telemetry.tracetree import (
     from_otlp,
     render,
 )
+from harnessrl.telemetry.tracetree import Link as TreeLink
 
 
 @dataclass
@@ -400,3 +401,52 @@ def test_jaeger_unknown_episode_exits_1(
     url, _ = jaeger
     assert main(["trace", "nope", "--jaeger", url]) == 1
     assert f"Jaeger at {url}" in capsys.readouterr().err
+
+
+def test_a_production_sessions_thumbs_up_leads_to_the_step_that_used_it() -> None:
+    """A session's trace has no root span (its parent id is derived from the session, and no
+    service records it): its calls, its feedback and its group hang from the session, not
+    as orphans, and the step that trained the group is linked."""
+    from harnessrl.production import session_traceparent
+
+    _, trace_id, session_span, _ = session_traceparent("desk", "t-1").split("-")
+
+    def span(span_id: str, name: str, start: int, **kw: object) -> Span:
+        return Span(
+            kw.pop("trace", trace_id),  # type: ignore[arg-type]
+            span_id,
+            kw.pop("parent", session_span),  # type: ignore[arg-type]
+            name,
+            kw.pop("service", "svc"),  # type: ignore[arg-type]
+            start,
+            start + 10,
+            kw.pop("attributes", {}),  # type: ignore[arg-type]
+            kw.pop("links", ()),  # type: ignore[arg-type]
+        )
+
+    group = "s.desk.t-1"
+    spans = [
+        span("a" * 16, "gateway chat", 1, attributes={"harnessrl.episode_id": group}),
+        span("b" * 16, "feedback.signal", 2, attributes={"harnessrl.feedback.name": "thumbs"}),
+        span(
+            "c" * 16,
+            "samples.session",
+            3,
+            attributes={"harnessrl.group_id": group},
+            links=(TreeLink(trace_id, "a" * 16),),
+        ),
+        span(
+            "d" * 16,
+            "trainer.step",
+            4,
+            trace="e" * 32,
+            parent="",
+            attributes={"harnessrl.step": 3},
+            links=(TreeLink(trace_id, "c" * 16),),
+        ),
+    ]
+    found = episode_path(spans, group)
+    assert found is not None and [s.name for s in found.steps] == ["trainer.step"]
+    text = render(found)
+    assert "(production session)" in text and "orphan" not in text
+    assert "feedback.signal" in text and "name=thumbs" in text and "step=3" in text

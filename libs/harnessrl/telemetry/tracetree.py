@@ -40,6 +40,7 @@ _KEYS: dict[str, tuple[tuple[str, str], ...]] = {
         ("source", "harnessrl.reward.source"),
     ),
     "group": (("group_id", GROUP_ID), ("outcome", "harnessrl.samples.outcome")),
+    "feedback": (("name", "harnessrl.feedback.name"), ("outcome", "harnessrl.feedback.outcome")),
     "step": (
         ("step", "harnessrl.step"),
         ("loss", "harnessrl.loss"),
@@ -47,6 +48,15 @@ _KEYS: dict[str, tuple[tuple[str, str], ...]] = {
         ("produced_version", "harnessrl.policy_version"),
     ),
     "kafka": (("event", "harnessrl.event"),),
+}
+
+
+_KINDS = {
+    "reward.score": "reward",
+    "feedback.signal": "feedback",  # a production session's: an app's signal about it
+    "samples.group": "group",
+    "samples.session": "group",  # a production session's group
+    "trainer.step": "step",
 }
 
 
@@ -89,9 +99,7 @@ class Span:
             return "call"
         if self.attributes.get("messaging.system") == "kafka":
             return "kafka"
-        return {"reward.score": "reward", "samples.group": "group", "trainer.step": "step"}.get(
-            self.name, "other"
-        )
+        return _KINDS.get(self.name, "other")
 
 
 @dataclass
@@ -220,9 +228,18 @@ def build_tree(spans: Iterable[Span], trace_id: str) -> SpanNode:
     if roots:
         root = nodes[roots[0].span_id]
     else:
+        # A production session's trace has no root span by design: every span of it
+        # descends from one parent id derived from the session (production.py), which no
+        # service records; the placeholder stands for it, so its children are not orphans.
+        session = any(str(s.attributes.get(EPISODE_ID, "")).startswith("s.") for s in members)
+        missing = Counter(s.parent_id for s in members if s.parent_id not in nodes)
+        common = missing.most_common(1)[0][0] if session and missing else ""
         first, last = members[0], max(members, key=lambda s: s.end_ns)
-        placeholder = Span(trace_id, "", "", "(root not exported)", "", first.start_ns, last.end_ns)
+        name = "(production session)" if session else "(root not exported)"
+        placeholder = Span(trace_id, common, "", name, "", first.start_ns, last.end_ns)
         root = SpanNode(placeholder)
+        if common:
+            nodes[common] = root
     for span in members:
         node = nodes[span.span_id]
         if node is root:
