@@ -71,6 +71,11 @@ async def test_experiment_measures_trains_a_step_measures_again_and_reports(
     assert metrics["val_after"]["versions"] == [1]  # measured on the trained policy only
     assert metrics["train"]["steps"][0]["loss"] is not None
     assert metrics["train"]["merge"]["calls"] >= 4
+    # The token books count every captured token, the val groups' (never trained) too.
+    merge = metrics["train"]["merge"]
+    dropped = {k: v for k, v in merge.items() if k.startswith("tokens_dropped_")}
+    assert merge["tokens_captured"] == merge["tokens_trained"] + sum(dropped.values())
+    assert dropped.get("tokens_dropped_val", 0) > 0
     assert (run_dir / "report.png").read_bytes().startswith(b"\x89PNG")
     assert "data:image/png;base64," in (run_dir / "report.html").read_text()
     # The hint names an episode whose calls lead, through its group, to the step.

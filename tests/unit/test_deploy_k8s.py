@@ -107,7 +107,7 @@ SAMPLE = {
 SAMPLE_COMMAND = ["python", "harness.py", "--task", "it's $HOME"]
 POD_FIELDS = {
     "status.podIP": "10.1.2.3",
-    "metadata.name": "pod-0",
+    "metadata.name": "gateway-0",  # a pod of the gateway StatefulSet, as its peers list it
     "metadata.namespace": NAMESPACE,
     # What the StatefulSet and Job controllers set on a pod (pod_metadata), for pod 0.
     "metadata.labels['apps.kubernetes.io/pod-index']": "0",
@@ -705,6 +705,12 @@ def test_gateway_replicas_overlay_runs_three_and_the_controller_knows_them(
     # The overlay's HARNESSRL_CONTROLLER__GATEWAYS wins over the config file's one gateway.
     assert [r.name for r in config.controller.replicas] == ["gateway-0", "gateway-1", "gateway-2"]
     check_gateway_replicas(objects, config.controller.replicas)
+    # The replicas share production sessions: each knows the others (the same names).
+    gateway_pod = gateway["spec"]["template"]["spec"]
+    (gateway_container,) = gateway_pod["containers"]
+    served = load_service_config(objects, gateway_pod, gateway_container, tmp_path, monkeypatch)
+    assert isinstance(served, GatewayConfig)
+    assert [p.name for p in served.gateway.peers] == [r.name for r in config.controller.replicas]
     # The base keeps one (and its config file lists that one: check_controller).
     assert named(_render("external-kafka"), "StatefulSet", "gateway")["spec"]["replicas"] == 1
 
