@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
+import openai
 
 from harnessrl.logs import get_logger
 
@@ -32,6 +34,8 @@ WINDOW_S = 20.0
 """The feedback window: a session without a signal is decided this long after its end."""
 RETRY_FOR_S = 120.0
 """How long one request is retried while the services it needs are killed or frozen."""
+SDK_RETRIES = 10
+"""The SDKs' own retries (backing off up to 8 s): they outlast a gateway's restart."""
 _QUESTIONS = ("What is 17 + 25?", "Subtract 9 from 40.", "Multiply 6 by 7.", "Divide 84 by 2.")
 
 
@@ -78,6 +82,12 @@ class ProductionTraffic:
         self._tasks: set[asyncio.Task[None]] = set()
         self.sessions: list[TrafficSession] = []
         self._auth = {"authorization": f"Bearer {APP_KEY}"}
+        self._openai_client = openai.AsyncOpenAI(
+            base_url=f"{self._gateway}/v1", api_key=APP_KEY, max_retries=SDK_RETRIES, timeout=60
+        )
+        self._anthropic_client = anthropic.AsyncAnthropic(
+            base_url=self._gateway, api_key=APP_KEY, max_retries=SDK_RETRIES, timeout=60
+        )
 
     def stop(self) -> None:
         """Open no new session; those under way finish (their feedback too)."""
@@ -99,21 +109,19 @@ class ProductionTraffic:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _session(self, http: httpx.AsyncClient, record: TrafficSession) -> None:
-        headers = {**self._auth, "x-harnessrl-session": record.session_id}
+        """One user's conversation: on the openai SDK (the session in a header) or, every
+        other one, the anthropic SDK (the session in the base URL), as apps would; each
+        SDK retries by itself while the gateway is away."""
         question = self._rng.choice(_QUESTIONS)
+        ask = self._openai if self._rng.random() < 0.5 else self._anthropic
         messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
         for _ in range(self._rng.randint(1, 3)):
-            answer = await self._send(
-                http,
-                "POST",
-                f"{self._gateway}/v1/chat/completions",
-                headers,
-                {"model": "chaos-desk", "messages": messages, "max_tokens": 24},
-            )
-            if answer is None or answer.status_code != 200:
+            try:
+                reply = await ask(record.session_id, messages)
+            except (openai.APIError, anthropic.APIError) as err:
+                log.info("chaos traffic: a call was not answered", error=type(err).__name__)
                 break
             record.answered += 1
-            reply = answer.json()["choices"][0]["message"].get("content") or ""
             messages += [
                 {"role": "assistant", "content": reply},
                 {"role": "user", "content": "Thanks. Are you sure?"},
@@ -138,6 +146,24 @@ class ProductionTraffic:
                 record.signals[body["idempotency_key"]] = value  # type: ignore[index]
             elif sent is not None and sent.status_code == 409:
                 record.refused += 1
+
+    async def _openai(self, session: str, messages: list[dict[str, Any]]) -> str:
+        answer = await self._openai_client.chat.completions.create(
+            model="chaos-desk",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=24,
+            extra_headers={"x-harnessrl-session": session},
+        )
+        return answer.choices[0].message.content or ""
+
+    async def _anthropic(self, session: str, messages: list[dict[str, Any]]) -> str:
+        client = self._anthropic_client.with_options(base_url=f"{self._gateway}/s/{session}")
+        answer = await client.messages.create(
+            model="chaos-desk",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=24,
+        )
+        return "".join(b.text for b in answer.content if b.type == "text") or "?"
 
     async def _send(
         self,

@@ -266,7 +266,9 @@ class GatewayApp:
             return render(shape, err)
         except SessionEndedError as err:
             self._life.metrics.refused("session_ended").inc()
-            return render(shape, GatewayError(409, str(err), SESSION_HEADER))
+            # The SDKs retry a 409 unless told not to: an ended session stays ended.
+            no_retry = [("x-should-retry", "false")]
+            return render(shape, GatewayError(409, str(err), SESSION_HEADER, headers=no_retry))
         episode.append(claims.episode_id)
         response = await self._serve(request, route, claims, shape)
         if request.headers.get(END_HEADER, "").lower() in ("1", "true", "yes"):

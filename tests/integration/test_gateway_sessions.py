@@ -144,8 +144,10 @@ async def test_ending_a_session_closes_it_after_its_calls_and_a_later_call_is_re
     finished = [e for e in await _episodes(stack) if isinstance(e, pb.EpisodeFinished)]
     assert len(finished) == 1 and finished[0].session.ended_by == "end"
     assert finished[0].final and finished[0].group_id == "s.support.order-5"
-    with pytest.raises(openai.ConflictError, match="has ended"):
-        await client.chat.completions.create(model="m", messages=QUESTION, max_tokens=4)
+    patient = client.with_options(max_retries=5)  # the SDK does not retry it: told not to
+    with pytest.raises(openai.ConflictError, match="has ended") as refused:
+        await patient.chat.completions.create(model="m", messages=QUESTION, max_tokens=4)
+    assert refused.value.response.headers["x-should-retry"] == "false"
     assert len(await stack.calls()) == 2
 
 
