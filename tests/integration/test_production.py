@@ -148,9 +148,20 @@ async def test_sessions_of_two_sdks_with_feedback_after_their_end_train_exactly_
         await eventually(lambda: all(trained().values()), timeout=90, interval=0.5)
         assert trained() == dict.fromkeys(groups, 1)
         assert trained_twice(read(journal)) == []
-        versions = [e for _, e in await events_on(stack["bootstrap"], events.POLICY)]
-        named = [g for v in versions if isinstance(v, pb.PolicyVersion) for g in v.session_groups]
-        assert sorted(named) == sorted(groups)
+
+        async def named() -> list[str]:
+            """The sessions the announced versions name (a step is journaled before its
+            version is announced)."""
+            versions = [e for _, e in await events_on(stack["bootstrap"], events.POLICY)]
+            return sorted(
+                g for v in versions if isinstance(v, pb.PolicyVersion) for g in v.session_groups
+            )
+
+        async def all_named() -> bool:
+            return set(await named()) >= groups
+
+        await eventually(all_named, timeout=60, interval=0.5)
+        assert await named() == sorted(groups)
     finally:
         code = await up.stop()
     assert code == 0, "\n".join(up.lines[-40:])
