@@ -33,8 +33,8 @@ _HELP = {
     "entropy falling to zero fast usually means the policy collapsed.",
     "Groups and merging": "What happened to each group of episodes (only emitted groups "
     "reach the trainer), how model calls were merged into training sequences (chains; a "
-    "break starts a new one, by class), and the token books of the emitted groups: "
-    "completion tokens captured, trained, and dropped by reason.",
+    "break starts a new one, by class), and the token books of every group, val and "
+    "zero-variance ones included: completion tokens captured = trained + dropped by reason.",
 }
 """One or two sentences per dashboard panel, for the HTML's "How to read this"."""
 
