@@ -1,0 +1,121 @@
+"""The canary rule (trust/canary.py): no decision before the minimum, clear cases decided the
+right way, a false rollback as rare as alpha says, its state resumable from JSON."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from harnessrl.trust.canary import ARMS, Canary, CanaryConfig, GuardRule
+
+BINARY = CanaryConfig(low=0.0, high=1.0, min_sessions=50)
+NO_FAILURES = {"error": False, "no_answer": False}
+
+
+def run(config: CanaryConfig, means: dict[str, float], seed: int, sessions: int = 20_000) -> Canary:
+    """Sessions alternate between the arms with 0/1 rewards until a decision (or `sessions`)."""
+    rng = np.random.default_rng(seed)
+    canary = Canary(config)
+    for i in range(sessions):
+        arm = ARMS[i % 2]
+        canary.observe(arm, float(rng.random() < means[arm]), NO_FAILURES)
+        if canary.decide().action != "continue":
+            break
+    return canary
+
+
+def test_state_round_trips_through_canonical_json() -> None:
+    canary = run(BINARY, {"stable": 0.6, "candidate": 0.6}, seed=3, sessions=301)
+    canary.observe("candidate", None, {"error": True, "no_answer": False})
+    data = canary.to_json()
+    resumed = Canary.from_json(data)
+    assert resumed.to_json() == data
+    assert resumed.decide() == canary.decide()
+    assert resumed.arms["candidate"].failures == {"error": 1, "no_answer": 0}
+    assert resumed.arms["candidate"].sessions == resumed.arms["candidate"].rewarded + 1
+
+
+def test_no_decision_before_each_arm_has_the_minimum() -> None:
+    canary = Canary(BINARY)
+    for _ in range(500):
+        canary.observe("stable", 1.0, NO_FAILURES)
+    for _ in range(49):
+        canary.observe("candidate", 0.0, {"error": True, "no_answer": True})
+    decision = canary.decide()
+    assert (decision.action, decision.reason) == ("continue", "min_sessions")
+    canary.observe("candidate", 0.0, {"error": True, "no_answer": True})
+    assert canary.decide().action == "rollback"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_clearly_worse_candidate_is_rolled_back(seed: int) -> None:
+    decision = run(BINARY, {"stable": 0.6, "candidate": 0.3}, seed).decide()
+    assert (decision.action, decision.reason) == ("rollback", "reward")
+    assert decision.reward.upper < decision.rollback_below
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_clearly_better_candidate_is_promoted(seed: int) -> None:
+    decision = run(BINARY, {"stable": 0.5, "candidate": 0.8}, seed).decide()
+    assert (decision.action, decision.reason) == ("promote", "reward")
+    assert decision.reward.lower > decision.promote_above
+
+
+def test_a_guard_rolls_back_a_candidate_whose_rewards_are_equal() -> None:
+    config = CanaryConfig(low=0.0, high=1.0, min_sessions=50, guards={"error": GuardRule(0.02)})
+    rng = np.random.default_rng(0)
+    canary = Canary(config)
+    for i in range(20_000):
+        arm = ARMS[i % 2]
+        failed = rng.random() < (0.4 if arm == "candidate" else 0.01)
+        canary.observe(arm, float(rng.random() < 0.6), {"error": bool(failed)})
+        if canary.decide().action != "continue":
+            break
+    decision = canary.decide()
+    assert (decision.action, decision.reason) == ("rollback", "error")
+    assert decision.guards["error"].lower > 0.02
+
+
+def test_equal_arms_are_rarely_rolled_back() -> None:
+    """200 runs checked after every session: false rollbacks stay under alpha plus slack
+    (the bound is conservative, so in practice far under)."""
+    config = CanaryConfig(low=0.0, high=1.0, alpha=0.1, min_sessions=20, guards={})
+    rng = np.random.default_rng(7)
+    rolled_back = 0
+    for _ in range(200):
+        canary = Canary(config)
+        for i in range(4_000):
+            canary.observe(ARMS[i % 2], float(rng.random() < 0.5), {})
+            if (action := canary.decide().action) != "continue":
+                rolled_back += action == "rollback"
+                break
+    assert rolled_back / 200 <= config.alpha + 0.05
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        (CanaryConfig(alpha=0.0), "alpha"),
+        (CanaryConfig(alpha=1.5), "alpha"),
+        (CanaryConfig(delta=-0.1), "delta"),
+        (CanaryConfig(low=1.0, high=0.0), "low, high"),
+        (CanaryConfig(min_sessions=0), "min_sessions"),
+        (CanaryConfig(guards={"error": GuardRule(margin=-0.1)}), "guards.error.margin"),
+        (CanaryConfig(guards={"error": GuardRule(alpha=1.0)}), "guards.error.alpha"),
+    ],
+)
+def test_bad_configuration_names_its_field(config: CanaryConfig, field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        Canary(config)
+
+
+def test_bad_observations_name_their_field_and_change_nothing() -> None:
+    canary = Canary(BINARY)
+    before = canary.to_json()
+    with pytest.raises(ValueError, match=r"^arm:"):
+        canary.observe("canary", 1.0, NO_FAILURES)
+    with pytest.raises(ValueError, match=r"^reward:"):
+        canary.observe("candidate", 1.5, NO_FAILURES)
+    with pytest.raises(ValueError, match=r"^guard_failures:"):
+        canary.observe("candidate", 1.0, {"error": False, "latency": True})
+    assert canary.to_json() == before
