@@ -372,6 +372,17 @@ BENCHMARKS = (
         _own_arguments("session_baseline"),
     ),
     Benchmark(
+        "canary",
+        "canary",
+        "the canary rule: false rollbacks and promotions, power, sessions to a decision",
+        "Simulate canaries (0/1 rewards, error and no-answer guards; the candidate equal, worse "
+        "by exactly the margin, harmful, helpful, or harmful only in its error rate), checking "
+        "trust/canary.py's promote/rollback rule after every session: the share of runs "
+        "promoted, rolled back and undecided, the share decided rightly, the median sessions "
+        "to a decision. numpy, seeded, seconds. The last line is one JSON object.",
+        _own_arguments("canary"),
+    ),
+    Benchmark(
         "sessions",
         "sessions",
         "production sessions through the real services: sessions/s, signals/s, memory",
