@@ -119,3 +119,16 @@ def test_bad_observations_name_their_field_and_change_nothing() -> None:
     with pytest.raises(ValueError, match=r"^guard_failures:"):
         canary.observe("candidate", 1.0, {"error": False, "latency": True})
     assert canary.to_json() == before
+
+
+def test_sessions_without_rewards_count_for_the_guards_only() -> None:
+    canary = Canary(BINARY)
+    for arm in ARMS:
+        for _ in range(200):
+            canary.observe(arm, None, NO_FAILURES)
+        for _ in range(10):
+            canary.observe(arm, 1.0, NO_FAILURES)
+    decision = canary.decide()
+    assert (decision.action, decision.reason) == ("continue", "min_sessions")
+    assert decision.sessions == {"stable": 210, "candidate": 210}
+    assert decision.rewarded == {"stable": 10, "candidate": 10}

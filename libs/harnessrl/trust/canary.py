@@ -231,7 +231,9 @@ class Canary:
             tripped = [n for n, g in guards.items() if g.lower > c.guards[n].margin]
             if tripped:
                 action, reason = "rollback", tripped[0]
-        if reason == "undecided" and min(k.rewarded, s.rewarded) >= c.min_sessions:
+        if reason == "undecided" and min(k.rewarded, s.rewarded) < c.min_sessions:
+            reason = "min_sessions"  # enough sessions for the guards, too few rewards yet
+        elif reason == "undecided":
             if reward.upper < 0.0:
                 action, reason = "rollback", "reward"
             elif reward.lower > -c.delta:
