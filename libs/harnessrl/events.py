@@ -115,6 +115,12 @@ def _routes() -> dict[type[Message], _Route]:
             "session_deletion_applied",
             lambda e: f"session-deletion-applied/{e.group_id}",
         ),
+        (
+            pb.RolloutDecision,
+            POLICY,
+            "rollout_decision",
+            lambda e: f"rollout/{e.decision_id}",
+        ),
     ]
     routes = {}
     for cls, topic, field, identity in table:

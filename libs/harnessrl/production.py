@@ -25,6 +25,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from harnessrl.config import Section
+from harnessrl.rollout import CanarySection
 
 SESSION_HEADER = "x-harnessrl-session"
 """Header naming the session of a call (or `/s/<session>/...` in the path)."""
@@ -192,6 +193,8 @@ class ProductionSection(Section):
     retention_s: float = Field(default=30 * 86_400.0, gt=0)
     """Longest any project-owned store keeps a session's data after it ended (trained or
     not); the broker's topics are bounded by their own retention (docs/security.md)."""
+    canary: CanarySection = CanarySection()
+    """Canary rollout: a new version serves a share of sessions until judged."""
 
     @field_validator("apps")
     @classmethod

@@ -120,6 +120,46 @@ API_OPENAI_RESPONSES: Api.ValueType  # 4
 """OpenAI POST /v1/responses (the Responses API), translated by the gateway."""
 Global___Api: _TypeAlias = Api  # noqa: Y015
 
+class _RolloutAction:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RolloutActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RolloutAction.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ROLLOUT_ACTION_UNSPECIFIED: _RolloutAction.ValueType  # 0
+    """Not set: never written by a producer; consumers refuse it."""
+    ROLLOUT_ACTION_START: _RolloutAction.ValueType  # 1
+    """`version` becomes the candidate: it serves `share` of new production sessions."""
+    ROLLOUT_ACTION_PROMOTE: _RolloutAction.ValueType  # 2
+    """`version` (the candidate, or any announced version when none is pending) becomes stable."""
+    ROLLOUT_ACTION_ROLLBACK: _RolloutAction.ValueType  # 3
+    """`version`, the candidate, stops serving new sessions; or, with no candidate pending,
+    the stable `version` is replaced by the stable version before it.
+    """
+    ROLLOUT_ACTION_PIN: _RolloutAction.ValueType  # 4
+    """`version` becomes stable and no candidate starts until UNPIN."""
+    ROLLOUT_ACTION_UNPIN: _RolloutAction.ValueType  # 5
+    """Candidates may start again."""
+
+class RolloutAction(_RolloutAction, metaclass=_RolloutActionEnumTypeWrapper):
+    """What a RolloutDecision does to the served versions."""
+
+ROLLOUT_ACTION_UNSPECIFIED: RolloutAction.ValueType  # 0
+"""Not set: never written by a producer; consumers refuse it."""
+ROLLOUT_ACTION_START: RolloutAction.ValueType  # 1
+"""`version` becomes the candidate: it serves `share` of new production sessions."""
+ROLLOUT_ACTION_PROMOTE: RolloutAction.ValueType  # 2
+"""`version` (the candidate, or any announced version when none is pending) becomes stable."""
+ROLLOUT_ACTION_ROLLBACK: RolloutAction.ValueType  # 3
+"""`version`, the candidate, stops serving new sessions; or, with no candidate pending,
+the stable `version` is replaced by the stable version before it.
+"""
+ROLLOUT_ACTION_PIN: RolloutAction.ValueType  # 4
+"""`version` becomes stable and no candidate starts until UNPIN."""
+ROLLOUT_ACTION_UNPIN: RolloutAction.ValueType  # 5
+"""Candidates may start again."""
+Global___RolloutAction: _TypeAlias = RolloutAction  # noqa: Y015
+
 class _ControlAction:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -197,6 +237,10 @@ class SessionInfo(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     EXPLORED_FIELD_NUMBER: _builtins.int
     ENDED_BY_FIELD_NUMBER: _builtins.int
+    ARM_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    STATS_FIELD_NUMBER: _builtins.int
+    CANARY_FIELD_NUMBER: _builtins.int
     app: _builtins.str
     """Name of the app whose key made the calls (`production.apps[].name`)."""
     session_id: _builtins.str
@@ -211,6 +255,26 @@ class SessionInfo(_message.Message):
     """On EpisodeFinished: what ended it: "end" (the app ended it), "idle" (no call for
     production.idle_s). "" elsewhere.
     """
+    arm: _builtins.str
+    """Which arm of a canary rollout serves the session: "stable" or "candidate", chosen by
+    the gateway at the session's first call and kept for all of its calls; "" when no
+    rollout is configured (the newest version serves it).
+    """
+    policy_version: _builtins.int
+    """The policy version the arm served when the session was assigned; every call of the
+    session asks the engines for it. Meaningful only when arm is set.
+    """
+    canary: _builtins.int
+    """The candidate version pending when the session was assigned (0: none), whichever arm
+    it got: the canary judge compares the arms on the sessions assigned during that
+    candidate's canary only.
+    """
+    @_builtins.property
+    def stats(self) -> Global___SessionStats:
+        """On EpisodeFinished: what the gateway saw of the session's calls (the canary's guard
+        metrics). Unset elsewhere.
+        """
+
     def __init__(
         self,
         *,
@@ -219,14 +283,64 @@ class SessionInfo(_message.Message):
         kind: _builtins.str = ...,
         explored: _builtins.bool = ...,
         ended_by: _builtins.str = ...,
+        arm: _builtins.str = ...,
+        policy_version: _builtins.int = ...,
+        stats: Global___SessionStats | None = ...,
+        canary: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "ended_by", b"ended_by", "explored", b"explored", "kind", b"kind", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app", b"app", "arm", b"arm", "canary", b"canary", "ended_by", b"ended_by", "explored", b"explored", "kind", b"kind", "policy_version", b"policy_version", "session_id", b"session_id", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SessionInfo: _TypeAlias = SessionInfo  # noqa: Y015
+
+@_typing.final
+class SessionStats(_message.Message):
+    """What the gateway saw of one production session's calls, for the canary's guards. Counts
+    are of the calls the owning replica answered (a replica restart keeps the captured calls'
+    counts, read back from hrl.calls, and loses the failures it had answered before).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLS_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    TOOL_PARSE_FAILURES_FIELD_NUMBER: _builtins.int
+    ANSWERED_FIELD_NUMBER: _builtins.int
+    LATENCY_MS_SUM_FIELD_NUMBER: _builtins.int
+    LATENCY_MS_MAX_FIELD_NUMBER: _builtins.int
+    calls: _builtins.int
+    """Calls answered (any status)."""
+    errors: _builtins.int
+    """Calls answered with a server-side failure (5xx: engine unavailable, engine error)."""
+    tool_parse_failures: _builtins.int
+    """Completions that carried tool-call markup but were answered with no tool call."""
+    answered: _builtins.bool
+    """True when the session's last call was answered with a completion (2xx with content or a
+    tool call); false when it ended on a failure or had no answered call.
+    """
+    latency_ms_sum: _builtins.float
+    """Sum and largest of the calls' latency (request received to last byte), milliseconds."""
+    latency_ms_max: _builtins.float
+    def __init__(
+        self,
+        *,
+        calls: _builtins.int = ...,
+        errors: _builtins.int = ...,
+        tool_parse_failures: _builtins.int = ...,
+        answered: _builtins.bool = ...,
+        latency_ms_sum: _builtins.float = ...,
+        latency_ms_max: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answered", b"answered", "calls", b"calls", "errors", b"errors", "latency_ms_max", b"latency_ms_max", "latency_ms_sum", b"latency_ms_sum", "tool_parse_failures", b"tool_parse_failures"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionStats: _TypeAlias = SessionStats  # noqa: Y015
 
 @_typing.final
 class TaskSubmitted(_message.Message):
@@ -1252,6 +1366,7 @@ class PolicyVersion(_message.Message):
     CHECKPOINT_URI_FIELD_NUMBER: _builtins.int
     SESSION_GROUPS_FIELD_NUMBER: _builtins.int
     TOKENS_DROPPED_FIELD_NUMBER: _builtins.int
+    BASE_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """New version number; strictly increasing, 0 is the initial weights."""
     step: _builtins.int
@@ -1262,6 +1377,12 @@ class PolicyVersion(_message.Message):
     """Checksum over the version's manifest, so pullers can verify what they fetched."""
     checkpoint_uri: _builtins.str
     """Where the version's checkpoint is stored, "" when it was not checkpointed."""
+    base: _builtins.int
+    """The version whose weights the step that made this one started from: normally the
+    version before; after the trainer rewound to the stable version (a rollback), that
+    version. Unset for the first version the trainer announces. Lets every service tell
+    which versions descend from a rolled-back one (harnessrl.rollout).
+    """
     @_builtins.property
     def session_groups(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Group ids of the production sessions whose tokens the step that made this version
@@ -1284,12 +1405,15 @@ class PolicyVersion(_message.Message):
         checkpoint_uri: _builtins.str = ...,
         session_groups: _abc.Iterable[_builtins.str] | None = ...,
         tokens_dropped: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        base: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_base", b"_base", "base", b"base"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_uri", b"checkpoint_uri", "manifest_checksum", b"manifest_checksum", "session_groups", b"session_groups", "step", b"step", "tokens_dropped", b"tokens_dropped", "version", b"version", "weightsync_address", b"weightsync_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_base", b"_base", "base", b"base", "checkpoint_uri", b"checkpoint_uri", "manifest_checksum", b"manifest_checksum", "session_groups", b"session_groups", "step", b"step", "tokens_dropped", b"tokens_dropped", "version", b"version", "weightsync_address", b"weightsync_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__base: _TypeAlias = _typing.Literal["base"]  # noqa: Y015
+    _WhichOneofArgType__base: _TypeAlias = _typing.Literal["_base", b"_base"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__base) -> _WhichOneofReturnType__base | None: ...
 
 Global___PolicyVersion: _TypeAlias = PolicyVersion  # noqa: Y015
 
@@ -1305,6 +1429,7 @@ class PolicyLoaded(_message.Message):
     OK_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     SERVED_MODEL_FIELD_NUMBER: _builtins.int
+    SERVING_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Version now served."""
     engine: _builtins.str
@@ -1320,6 +1445,14 @@ class PolicyLoaded(_message.Message):
     model name. vllm-sync sets it to the versioned LoRA adapter name it loaded, so the
     gateway asks the engine for exactly the version it stamps on the call.
     """
+    @_builtins.property
+    def serving(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServedVersion]:
+        """Every version the replica serves after this load, with the model name a request must
+        carry for each ("" : the engine's own name), so a gateway can route a call to an engine
+        that serves the version its session was assigned. Empty: the replica serves `version`
+        alone (under served_model).
+        """
+
     def __init__(
         self,
         *,
@@ -1329,14 +1462,107 @@ class PolicyLoaded(_message.Message):
         ok: _builtins.bool = ...,
         error: _builtins.str = ...,
         served_model: _builtins.str = ...,
+        serving: _abc.Iterable[Global___ServedVersion] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "error", b"error", "load_ms", b"load_ms", "ok", b"ok", "served_model", b"served_model", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "error", b"error", "load_ms", b"load_ms", "ok", b"ok", "served_model", b"served_model", "serving", b"serving", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PolicyLoaded: _TypeAlias = PolicyLoaded  # noqa: Y015
+
+@_typing.final
+class ServedVersion(_message.Message):
+    """One version an inference replica serves, and the model name that asks for it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    model: _builtins.str
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ServedVersion: _TypeAlias = ServedVersion  # noqa: Y015
+
+@_typing.final
+class RolloutDecision(_message.Message):
+    """A canary rollout decision, automatic (the reward service's judge) or an operator's
+    (`harnessrl policy ...`). Published on hrl.policy, whose single partition orders every
+    decision; every service folds them the same way (harnessrl.rollout): a decision that does
+    not apply to the state it lands on (its `stable` is no longer stable, a candidate is
+    pending for a pin, ...) is refused by every service alike. Identity: decision_id.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DECISION_ID_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    STABLE_FIELD_NUMBER: _builtins.int
+    ACTOR_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    SHARE_FIELD_NUMBER: _builtins.int
+    EVIDENCE_JSON_FIELD_NUMBER: _builtins.int
+    DECIDED_AT_FIELD_NUMBER: _builtins.int
+    decision_id: _builtins.str
+    """Unique id of the decision, so it is applied once."""
+    action: Global___RolloutAction.ValueType
+    """What it does."""
+    version: _builtins.int
+    """The version it concerns: the candidate, the promoted, rolled back or pinned version."""
+    stable: _builtins.int
+    """The stable version the decision was made against; the decision is refused when another
+    version is stable by the time it lands.
+    """
+    actor: _builtins.str
+    """"canary" (the automatic judge) or "operator:<name>"."""
+    reason: _builtins.str
+    """Why: "reward", a guard's name ("error", "no_answer", ...), "load_failed", "superseded",
+    or the operator's words.
+    """
+    share: _builtins.float
+    """START: the share of new production sessions the candidate serves, in (0, 1)."""
+    evidence_json: _builtins.str
+    """The evidence behind an automatic decision as canonical JSON (harnessrl.trust.canary's
+    CanaryDecision: sessions and rewarded sessions per arm, mean rewards, the interval on
+    candidate minus stable and its thresholds, each guard's interval); "" for an operator's.
+    """
+    @_builtins.property
+    def decided_at(self) -> _timestamp_pb2.Timestamp:
+        """Wall-clock time of the decision."""
+
+    def __init__(
+        self,
+        *,
+        decision_id: _builtins.str = ...,
+        action: Global___RolloutAction.ValueType = ...,
+        version: _builtins.int = ...,
+        stable: _builtins.int = ...,
+        actor: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        share: _builtins.float = ...,
+        evidence_json: _builtins.str = ...,
+        decided_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decided_at", b"decided_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "actor", b"actor", "decided_at", b"decided_at", "decision_id", b"decision_id", "evidence_json", b"evidence_json", "reason", b"reason", "share", b"share", "stable", b"stable", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutDecision: _TypeAlias = RolloutDecision  # noqa: Y015
 
 @_typing.final
 class ControlCommand(_message.Message):
@@ -1640,6 +1866,7 @@ class PolicyEnvelope(_message.Message):
     CONTROL_COMMAND_FIELD_NUMBER: _builtins.int
     SESSION_DELETED_FIELD_NUMBER: _builtins.int
     SESSION_DELETION_APPLIED_FIELD_NUMBER: _builtins.int
+    ROLLOUT_DECISION_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def meta(self) -> Global___EventMeta:
         """Identity and provenance of the event."""
@@ -1664,6 +1891,10 @@ class PolicyEnvelope(_message.Message):
     def session_deletion_applied(self) -> Global___SessionDeletionApplied:
         """Published by the trainer once a SessionDeleted is applied."""
 
+    @_builtins.property
+    def rollout_decision(self) -> Global___RolloutDecision:
+        """Published by the reward service's canary judge or an operator (harnessrl policy)."""
+
     def __init__(
         self,
         *,
@@ -1673,12 +1904,13 @@ class PolicyEnvelope(_message.Message):
         control_command: Global___ControlCommand | None = ...,
         session_deleted: Global___SessionDeleted | None = ...,
         session_deletion_applied: Global___SessionDeletionApplied | None = ...,
+        rollout_decision: Global___RolloutDecision | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["control_command", b"control_command", "event", b"event", "meta", b"meta", "policy_loaded", b"policy_loaded", "policy_version", b"policy_version", "session_deleted", b"session_deleted", "session_deletion_applied", b"session_deletion_applied"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["control_command", b"control_command", "event", b"event", "meta", b"meta", "policy_loaded", b"policy_loaded", "policy_version", b"policy_version", "rollout_decision", b"rollout_decision", "session_deleted", b"session_deleted", "session_deletion_applied", b"session_deletion_applied"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_command", b"control_command", "event", b"event", "meta", b"meta", "policy_loaded", b"policy_loaded", "policy_version", b"policy_version", "session_deleted", b"session_deleted", "session_deletion_applied", b"session_deletion_applied"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_command", b"control_command", "event", b"event", "meta", b"meta", "policy_loaded", b"policy_loaded", "policy_version", b"policy_version", "rollout_decision", b"rollout_decision", "session_deleted", b"session_deleted", "session_deletion_applied", b"session_deletion_applied"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["policy_version", "policy_loaded", "control_command", "session_deleted", "session_deletion_applied"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["policy_version", "policy_loaded", "control_command", "session_deleted", "session_deletion_applied", "rollout_decision"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 

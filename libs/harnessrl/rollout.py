@@ -1,0 +1,346 @@
+"""Canary rollouts: which policy versions serve production sessions, folded from hrl.policy.
+
+With `production.canary.enabled`, a new version does not reach every user at once. The
+stable version serves production sessions; a candidate serves a sticky `share` of new ones
+beside it until the reward service's judge (services/reward/canary_judge.py, using
+harnessrl.trust.canary) promotes or rolls it back, or an operator does (`harnessrl policy`).
+Every decision is a `RolloutDecision` on hrl.policy, whose single partition orders them,
+and every service folds the same events in the same order with `RolloutState`, so gateways,
+engines, the trainer, the judge and the CLI agree on the state without talking to each
+other, and a restarted service reads it back from the topic.
+
+The fold, in the topic's order:
+
+- `PolicyVersion` announces a version and the version its weights were trained from
+  (`base`: the one before, or the stable version the trainer rewound to after a rollback).
+  Before any decision, the first version announced is stable (the trainer's initial
+  weights, version 0, on a new deployment). A version is retired when it or a version it
+  descends from was rolled back: it never becomes a candidate, engines stop loading it, and
+  the trainer trains no sample it produced.
+- A decision applies only to the state it was made against (`RolloutDecision.stable` is
+  still stable) and only when `refusal` finds nothing wrong with it; a refused decision
+  changes nothing, on every service alike (a raced duplicate, an operator's stale command).
+  START makes an announced version newer than stable, never rolled back, the candidate
+  (none pending, not pinned). PROMOTE makes the candidate stable, or, with none pending, any
+  announced version not rolled back (an operator's override). ROLLBACK ends the candidate
+  and every version descending from it (the trainer rewinds to stable), or, with none pending,
+  replaces the stable version by the one stable before it. PIN makes a version stable and
+  holds candidates off until UNPIN; it is refused while a candidate is pending, so a pin
+  never discards a decision under way.
+
+A session's arm is chosen once, at its first call (`assign`): the candidate when a hash of
+(group id, candidate version) falls in the share and an engine serves the candidate, else
+stable. The gateway records the arm and version with the session (SessionInfo), so a
+session keeps its version to its end, whatever is decided meanwhile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from harnessrl.config import Section
+from harnessrl.trust.canary import CanaryConfig, GuardRule
+from harnessrl.v1 import events_pb2 as pb
+
+Arm = Literal["stable", "candidate"]
+AUTO_ACTOR = "canary"
+"""`RolloutDecision.actor` of the automatic judge; an operator's is "operator:<name>"."""
+GUARDS = ("error", "no_answer", "tool_parse", "slow")
+"""The guard metrics a session can fail (`session_failures`)."""
+
+
+class GuardSection(Section):
+    """One guard: how much worse the candidate's failure rate may be, and the test's alpha."""
+
+    margin: float = Field(default=0.02, ge=0.0, lt=1.0)
+    """Rolls back when the candidate's failure rate exceeds stable's by more than this."""
+    alpha: float = Field(default=0.01, gt=0.0, lt=1.0)
+    """The chance this guard rolls back a candidate that is within its margin."""
+
+
+class CanarySection(Section):
+    """Canary rollout of new policy versions on production sessions (ARCHITECTURE.md,
+    "Canary rollout"). Off: every engine serves the newest version, as without sessions."""
+
+    enabled: bool = False
+    """Serve new versions to a share of production sessions first, promote or roll back."""
+    share: float = Field(default=0.1, gt=0.0, lt=1.0)
+    """Share of new production sessions the candidate serves."""
+    alpha: float = Field(default=0.05, gt=0.0, lt=1.0)
+    """The chance of a wrong reward decision (promotion or rollback), however often looked at."""
+    delta: float = Field(default=0.05, ge=0.0)
+    """Non-inferiority margin in reward units: a candidate worse by less may be promoted."""
+    min_sessions: int = Field(default=100, ge=1)
+    """Rewarded sessions each arm needs before a reward decision (guards: ended sessions)."""
+    mixture_sessions: float = Field(default=300.0, gt=0.0)
+    """Where the confidence sequence is tightest, in sessions (any value keeps the guarantee)."""
+    slow_ms: float = Field(default=60_000.0, gt=0.0)
+    """A session fails the `slow` guard when one of its calls took longer than this."""
+    guards: dict[str, GuardSection] = {name: GuardSection() for name in GUARDS}
+    """The guards checked, by name (a subset of error, no_answer, tool_parse, slow)."""
+
+    @field_validator("guards")
+    @classmethod
+    def _known_guards(cls, value: dict[str, GuardSection]) -> dict[str, GuardSection]:
+        for name in value:
+            if name not in GUARDS:
+                raise ValueError(f"guards.{name}: unknown guard; known: {', '.join(GUARDS)}")
+        return value
+
+    def rule(self, low: float, high: float) -> CanaryConfig:
+        """The decision rule's settings for rewards in [low, high]."""
+        config = CanaryConfig(
+            alpha=self.alpha,
+            delta=self.delta,
+            low=low,
+            high=high,
+            min_sessions=self.min_sessions,
+            mixture_sessions=self.mixture_sessions,
+            guards={n: GuardRule(margin=g.margin, alpha=g.alpha) for n, g in self.guards.items()},
+        )
+        config.validate()
+        return config
+
+
+def session_failures(stats: pb.SessionStats, slow_ms: float) -> dict[str, bool]:
+    """Which guards a finished session failed, from what its gateway saw."""
+    return {
+        "error": stats.errors > 0,
+        "no_answer": not stats.answered,
+        "tool_parse": stats.tool_parse_failures > 0,
+        "slow": stats.latency_ms_max > slow_ms,
+    }
+
+
+ACTION_NAMES = {
+    pb.ROLLOUT_ACTION_START: "start",
+    pb.ROLLOUT_ACTION_PROMOTE: "promote",
+    pb.ROLLOUT_ACTION_ROLLBACK: "rollback",
+    pb.ROLLOUT_ACTION_PIN: "pin",
+    pb.ROLLOUT_ACTION_UNPIN: "unpin",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """The state at one point of hrl.policy (immutable: a reader's snapshot never changes)."""
+
+    stable: int | None = None
+    """The stable version; None before any version was announced."""
+    candidate: int | None = None
+    share: float = 0.0
+    """The candidate's share of new sessions (0 when none is pending)."""
+    pinned: bool = False
+    newest: int | None = None
+    """The newest version announced."""
+    announced: frozenset[int] = frozenset()
+    bases: Mapping[int, int] = field(default_factory=dict, compare=False)
+    """Version -> the version its weights were trained from (absent: none known)."""
+    rolled_back: frozenset[int] = frozenset()
+    stables: tuple[int, ...] = ()
+    """Every version that was stable, in order (an operator's rollback of stable returns to
+    the one before)."""
+    last: pb.RolloutDecision | None = field(default=None, compare=False)
+    """The last decision applied."""
+
+    def retired(self, version: int) -> bool:
+        """Whether `version` was rolled back or descends from a version that was."""
+        seen = 0
+        current: int | None = version
+        while current is not None and seen <= len(self.bases):
+            if current in self.rolled_back:
+                return True
+            current = self.bases.get(current)
+            seen += 1
+        return False
+
+    def current(self) -> int | None:
+        """The head of the trainer's line: the newest version not retired (controller
+        episodes are served it; it is the next candidate)."""
+        for version in sorted(self.announced, reverse=True):
+            if not self.retired(version):
+                return version
+        return None
+
+    def serving(self) -> frozenset[int]:
+        """The versions engines that serve several keep loaded: stable, candidate, current."""
+        versions = (self.stable, self.candidate, self.current())
+        return frozenset(v for v in versions if v is not None)
+
+
+class RolloutState:
+    """The fold of hrl.policy's PolicyVersion and RolloutDecision events (idempotent)."""
+
+    def __init__(self) -> None:
+        self.state = Rollout()
+        self._applied: set[str] = set()
+
+    def announced(self, event: pb.PolicyVersion) -> None:
+        state = self.state
+        version = int(event.version)
+        if version in state.announced:
+            return
+        bases = dict(state.bases)
+        if event.HasField("base"):
+            bases[version] = int(event.base)
+        elif version - 1 in state.announced:
+            bases[version] = version - 1
+        self.state = replace(
+            state,
+            announced=state.announced | {version},
+            bases=bases,
+            newest=version if state.newest is None else max(state.newest, version),
+            stable=version if state.stable is None else state.stable,
+            stables=state.stables or (version,),
+        )
+
+    def decided(self, decision: pb.RolloutDecision) -> str | None:
+        """Apply `decision`; returns None when it applied (or was applied before), else the
+        reason every service refuses it for."""
+        if decision.decision_id in self._applied:
+            return None
+        reason = refusal(self.state, decision)
+        if reason is not None:
+            return reason
+        self._applied.add(decision.decision_id)
+        self.state = _apply(self.state, decision)
+        return None
+
+    def assign(self, group_id: str, served: Callable[[int], bool]) -> tuple[Arm, int] | None:
+        """The arm and version of a new session (None before any version is announced):
+        the candidate for the share whose hash falls in it while some engine serves it
+        (`served(version)`), else stable."""
+        state = self.state
+        if state.stable is None:
+            return None
+        candidate = state.candidate
+        if (
+            candidate is not None
+            and served(candidate)
+            and _point(group_id, candidate) < state.share
+        ):
+            return "candidate", candidate
+        return "stable", state.stable
+
+
+def refusal(state: Rollout, decision: pb.RolloutDecision) -> str | None:
+    """Why `decision` does not apply to `state`, in words naming the field; None when it does."""
+    action = ACTION_NAMES.get(decision.action)
+    version = int(decision.version)
+    if action is None:
+        return f"action: {decision.action} is not a rollout action"
+    if not decision.decision_id:
+        return "decision_id: required"
+    if state.stable is None:
+        return "no policy version has been announced yet"
+    if int(decision.stable) != state.stable:
+        return (
+            f"stable: the decision was made against version {decision.stable}, "
+            f"but {state.stable} is stable"
+        )
+    if action == "unpin":
+        return None if state.pinned else "unpin: no version is pinned"
+    if version not in state.announced:
+        return f"version: {version} was never announced by the trainer"
+    if action == "start":
+        if state.pinned:
+            return f"version: stable version {state.stable} is pinned; unpin first"
+        if state.candidate is not None:
+            return f"version: candidate {state.candidate} is still pending"
+        if version <= state.stable:
+            return f"version: {version} is not newer than stable version {state.stable}"
+        if state.retired(version):
+            return f"version: {version} was rolled back or descends from a version that was"
+        if not 0.0 < decision.share < 1.0:
+            return f"share: {decision.share} is not in (0, 1)"
+        return None
+    if action == "promote":
+        if state.candidate is not None and version != state.candidate:
+            return f"version: candidate {state.candidate} is pending, not {version}"
+        if state.retired(version):
+            return f"version: {version} was rolled back or descends from a version that was"
+        if version == state.stable:
+            return f"version: {version} is already stable"
+        if state.pinned:
+            return f"version: stable version {state.stable} is pinned; unpin first"
+        return None
+    if action == "rollback":
+        if state.candidate is not None:
+            return (
+                None
+                if version == state.candidate
+                else (f"version: candidate {state.candidate} is pending, not {version}")
+            )
+        if version != state.stable:
+            return f"version: no candidate is pending and {version} is not stable"
+        if len(state.stables) < 2:
+            return f"version: {version} is the first stable version; nothing to roll back to"
+        if state.pinned:
+            return f"version: stable version {state.stable} is pinned; unpin first"
+        return None
+    # pin
+    if state.candidate is not None:
+        return f"version: candidate {state.candidate} is pending; promote or roll it back first"
+    if state.retired(version):
+        return f"version: {version} was rolled back or descends from a version that was"
+    return None
+
+
+def _apply(state: Rollout, decision: pb.RolloutDecision) -> Rollout:
+    action = ACTION_NAMES[decision.action]
+    version = int(decision.version)
+    if action == "start":
+        return replace(state, candidate=version, share=decision.share, last=decision)
+    if action == "unpin":
+        return replace(state, pinned=False, last=decision)
+    if action == "rollback" and state.candidate is None:
+        stables = state.stables[:-1]
+        return replace(
+            state,
+            stable=stables[-1],
+            stables=stables,
+            rolled_back=state.rolled_back | {version},
+            last=decision,
+        )
+    if action == "rollback":
+        return replace(
+            state,
+            candidate=None,
+            share=0.0,
+            rolled_back=state.rolled_back | {version},
+            last=decision,
+        )
+    stables = state.stables if state.stable == version else (*state.stables, version)
+    return replace(
+        state,
+        stable=version,
+        stables=stables,
+        candidate=None,
+        share=0.0,
+        pinned=action == "pin",
+        last=decision,
+    )
+
+
+def _point(group_id: str, candidate: int) -> float:
+    digest = hashlib.sha256(f"{group_id}\0canary\0{candidate}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def describe(state: Rollout) -> Mapping[str, object]:
+    """The state as JSON-ready values (`harnessrl policy status`, logs)."""
+    return {
+        "stable": state.stable,
+        "candidate": state.candidate,
+        "share": state.share,
+        "pinned": state.pinned,
+        "newest": state.newest,
+        "current": state.current(),
+        "rolled_back": sorted(state.rolled_back),
+        "stables": list(state.stables),
+    }
