@@ -10,7 +10,7 @@ from tests.helpers import filled
 
 
 def test_every_event_type_has_one_topic_and_an_envelope_field() -> None:
-    assert len(events.EVENT_TYPES) == 12
+    assert len(events.EVENT_TYPES) == 13
     for cls in events.EVENT_TYPES:
         event = filled(cls)
         envelope = events.wrap(event, producer="test/0")
