@@ -134,6 +134,9 @@ class SignalRule(Section):
 
     weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     """Its weight in the session reward (a weighted mean over the signals that arrived)."""
+    train: bool = True
+    """False: a held-out outcome, recorded and usable to judge a canary
+    (`production.canary.signals`) but never part of the reward the policy is trained on."""
     required: bool = False
     """The session's reward is decided only once this signal arrived (or its window ended).
     With no required signal, the first signal after the session's end decides it."""
@@ -157,6 +160,13 @@ class FeedbackSection(Section):
     arrived (drop when nothing did: reward_missing), or dropped as reward_missing."""
     max_body_bytes: int = Field(default=64 * 1024, ge=1024)
     """Largest feedback request body (413 beyond)."""
+
+    @field_validator("signals")
+    @classmethod
+    def _one_trains(cls, value: dict[str, SignalRule]) -> dict[str, SignalRule]:
+        if value and not any(rule.train for rule in value.values()):
+            raise ValueError("signals: at least one signal must train (train: true)")
+        return value
 
 
 class BaselineSection(Section):

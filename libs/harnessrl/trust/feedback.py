@@ -10,7 +10,9 @@ they are worth is decided here, from the signals alone (no clock but the one pas
   who changes a thumbs-down into a thumbs-up is counted once, as up.
 - **The session reward** is the weighted mean, over the names present, of the session-wide
   signals (those naming no response): R = Σ w_n v_n / Σ w_n. With none, but per-response
-  ones, it is the weighted mean of those, each response's counted once.
+  ones, it is the weighted mean of those, each response's counted once. Only names that
+  train count; a held-out name (`train: false`) is recorded and can judge a canary
+  (`session_reward(..., names=...)`), so a policy is never paid for it.
 - **Per-response credit.** A signal naming a response is that turn's own reward r_t (a
   weighted mean of the names present for it); the turn is credited R's advantage plus its
   own (services/sample_builder: A_t = A(R) + A(r_t), each against its own baseline); turns
@@ -22,7 +24,7 @@ they are worth is decided here, from the signals alone (no clock but the one pas
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -49,6 +51,9 @@ class SignalWeight(Protocol):
 
     @property
     def required(self) -> bool: ...
+
+    @property
+    def train(self) -> bool: ...
 
 
 class FeedbackRules(Protocol):
@@ -106,21 +111,32 @@ def _mean(values: Mapping[str, float], rules: FeedbackRules) -> float | None:
     return sum(weights[n] * v for n, v in sorted(values.items())) / total
 
 
-def session_reward(signals: Sequence[Signal], rules: FeedbackRules) -> SessionReward:
-    """The session's reward and its turns' rewards, from its signals (any order)."""
+def session_reward(
+    signals: Sequence[Signal], rules: FeedbackRules, names: Sequence[str] | None = None
+) -> SessionReward:
+    """The session's reward and its turns' rewards, from its signals (any order): over the
+    names that train, or over `names` (a canary's outcome). `components` has every name."""
     counted = _latest(signals)
     session = {name: s.value for (rid, name), s in counted.items() if not rid}
+    counts = _counting(rules, names)
     by_turn: dict[str, dict[str, float]] = {}
     for (rid, name), s in counted.items():
-        if rid:
+        if rid and counts(name):
             by_turn.setdefault(rid, {})[name] = s.value
     turns = {
         rid: v for rid, names in sorted(by_turn.items()) if (v := _mean(names, rules)) is not None
     }
-    value = _mean(session, rules)
+    value = _mean({n: v for n, v in session.items() if counts(n)}, rules)
     if value is None and turns:
         value = sum(turns.values()) / len(turns)
     return SessionReward(value=value, components=dict(sorted(session.items())), turns=turns)
+
+
+def _counting(rules: FeedbackRules, names: Sequence[str] | None) -> Callable[[str], bool]:
+    if names is not None:
+        chosen = frozenset(names)
+        return chosen.__contains__
+    return lambda name: name not in rules.signals or rules.signals[name].train
 
 
 def decide(
