@@ -4,9 +4,10 @@ right way, a false rollback as rare as alpha says, its state resumable from JSON
 from __future__ import annotations
 
 import numpy as np
+import orjson
 import pytest
 
-from harnessrl.trust.canary import ARMS, Canary, CanaryConfig, GuardRule
+from harnessrl.trust.canary import ARMS, Canary, CanaryConfig, GuardRule, evidence
 
 BINARY = CanaryConfig(low=0.0, high=1.0, min_sessions=50)
 NO_FAILURES = {"error": False, "no_answer": False}
@@ -132,3 +133,61 @@ def test_sessions_without_rewards_count_for_the_guards_only() -> None:
     assert (decision.action, decision.reason) == ("continue", "min_sessions")
     assert decision.sessions == {"stable": 210, "candidate": 210}
     assert decision.rewarded == {"stable": 10, "candidate": 10}
+
+
+def test_a_session_counted_at_its_end_and_rewarded_later_equals_one_observed_at_once() -> None:
+    rng = np.random.default_rng(7)
+    at_once, late = Canary(BINARY), Canary(BINARY)
+    pending: list[tuple[str, float]] = []
+    for i in range(400):
+        arm = ARMS[i % 2]
+        reward = float(rng.random() < 0.6)
+        failures = {"error": bool(rng.random() < 0.05), "no_answer": False}
+        at_once.observe(arm, reward, failures)
+        late.observe_session(arm, failures)
+        pending.append((arm, reward))
+        if i % 3 == 0:  # rewards arrive in batches, after the sessions ended
+            for waiting in pending:
+                late.observe_reward(*waiting)
+            pending.clear()
+    for waiting in pending:
+        late.observe_reward(*waiting)
+    assert late.decide() == at_once.decide()
+    assert late.to_json() == at_once.to_json()
+
+
+def test_a_session_without_a_reward_counts_for_the_guards_only() -> None:
+    canary = Canary(BINARY)
+    canary.observe_session("candidate", {"error": True, "no_answer": False})
+    sums = canary.arms["candidate"]
+    assert (sums.sessions, sums.rewarded, sums.failures["error"]) == (1, 0, 1)
+    assert canary.decide().rewarded == {"stable": 0, "candidate": 0}
+
+
+def test_a_reward_without_its_session_or_out_of_range_is_refused_unchanged() -> None:
+    canary = Canary(BINARY)
+    with pytest.raises(ValueError, match="all rewarded already"):
+        canary.observe_reward("stable", 1.0)
+    canary.observe_session("stable", NO_FAILURES)
+    with pytest.raises(ValueError, match=r"reward: 2\.0 is not in"):
+        canary.observe_reward("stable", 2.0)
+    with pytest.raises(ValueError, match="arm: 'canary'"):
+        canary.observe_reward("canary", 1.0)
+    with pytest.raises(ValueError, match="guard_failures"):
+        canary.observe_session("stable", {"error": False})
+    assert canary.arms["stable"].sessions == 1
+    assert canary.arms["stable"].rewarded == 0
+    canary.observe_reward("stable", 1.0)
+    assert canary.arms["stable"].reward_sum == 1.0
+
+
+def test_evidence_is_canonical_json_of_the_decision() -> None:
+    canary = run(BINARY, {"stable": 0.6, "candidate": 0.3}, seed=0)
+    decision = canary.decide()
+    data = evidence(decision)
+    assert data == evidence(Canary.from_json(canary.to_json()).decide())
+    parsed = orjson.loads(data)
+    assert parsed["action"] == "rollback"
+    assert parsed["sessions"] == decision.sessions
+    assert list(parsed) == sorted(parsed)
+    assert orjson.loads(evidence(Canary(BINARY).decide()))["reward"]["lower"] is None

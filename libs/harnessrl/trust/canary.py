@@ -41,6 +41,12 @@ never holds a promotion back: it is a tripwire, checked before the reward. The r
 and the guards together wrongly roll back with probability at most alpha + the guards'
 alphas (a union bound).
 
+Late rewards. A session's guards are known when it ends, its reward hours later:
+`observe_session` counts it at its end, `observe_reward` adds its reward once decided (or
+never). The guarantees stand: each arm's sequence is over its rewards in the order they
+arrive, and Ville's inequality holds at any stopping time of that order; the guards count
+sessions, rewarded or not.
+
 The bound uses the range, not the observed variance, so it is conservative for rewards
 that spread little within their range and for rare guard failures (docs/benchmarks.md has
 `harnessrl bench canary`'s simulation). Pure and deterministic: the state is the sums,
@@ -164,6 +170,11 @@ class CanaryDecision:
     """Per guard, candidate's failure rate minus stable's; rolls back when lower > margin."""
 
 
+def evidence(decision: CanaryDecision) -> bytes:
+    """Canonical JSON (sorted keys; nan and infinite bounds as null) of a decision."""
+    return orjson.dumps(asdict(decision), option=orjson.OPT_SORT_KEYS)
+
+
 class Canary:
     """The running state of one canary; `observe` each session, `decide` at any moment."""
 
@@ -178,24 +189,43 @@ class Canary:
         """Add one finished session (`reward` None: it has none, yet its guards count).
         `guard_failures` names every configured guard. Raises ValueError, changing nothing,
         for an unknown arm or guard, a missing guard, or a reward outside [low, high]."""
-        if arm not in self.arms:
-            raise ValueError(f"arm: {arm!r} is not one of {ARMS}")
+        self._check(arm, reward)
+        self.observe_session(arm, guard_failures)
+        if reward is not None:
+            self.observe_reward(arm, reward)
+
+    def observe_session(self, arm: str, guard_failures: Mapping[str, bool]) -> None:
+        """Count one ended session and its guards, before its reward is known. Raises
+        ValueError, changing nothing, as `observe`."""
+        self._check(arm, None)
         if set(guard_failures) != set(self.config.guards):
             raise ValueError(
                 f"guard_failures: names {sorted(guard_failures)}, the guards are "
                 f"{sorted(self.config.guards)}"
             )
+        sums = self.arms[arm]
+        sums.sessions += 1
+        for name, failed in guard_failures.items():
+            sums.failures[name] += bool(failed)
+
+    def observe_reward(self, arm: str, reward: float) -> None:
+        """Add the reward of a session `observe_session` counted. Raises ValueError, changing
+        nothing, for an unknown arm, a reward outside [low, high], or more rewards than
+        sessions."""
+        self._check(arm, reward)
+        sums = self.arms[arm]
+        if sums.rewarded >= sums.sessions:
+            raise ValueError(f"arm: {arm} has {sums.sessions} sessions, all rewarded already")
+        sums.rewarded += 1
+        sums.reward_sum += reward
+        sums.reward_sq += reward * reward
+
+    def _check(self, arm: str, reward: float | None) -> None:
+        if arm not in self.arms:
+            raise ValueError(f"arm: {arm!r} is not one of {ARMS}")
         c = self.config
         if reward is not None and not c.low <= reward <= c.high:
             raise ValueError(f"reward: {reward} is not in [{c.low}, {c.high}]")
-        sums = self.arms[arm]
-        sums.sessions += 1
-        if reward is not None:
-            sums.rewarded += 1
-            sums.reward_sum += reward
-            sums.reward_sq += reward * reward
-        for name, failed in guard_failures.items():
-            sums.failures[name] += bool(failed)
 
     def decide(self) -> CanaryDecision:
         """promote, rollback or continue, by the rule of the module docstring. Pure: the
