@@ -95,6 +95,15 @@ demo-production: venv
 	mkdir -p runs
 	$(BIN)/python -m examples.production.demo --minutes $(PRODUCTION_MINUTES)
 
+# The canary demo (examples/production/canary.py): the help desk with LoRA versions and
+# `production.canary` on. A candidate trained on inverted thumbs is rolled back, the next
+# one (honest thumbs) promoted, the gateway and the engine killed while it is judged. The
+# last line printed is the JSON summary; RUN_DIR/canary.json has the decisions' evidence.
+.PHONY: demo-canary
+demo-canary: venv
+	mkdir -p runs
+	$(BIN)/python -m examples.production.canary
+
 # The real coding-agent CLIs (Codex, Claude Code) that tests/integration/test_harness_clis.py
 # runs against the gateway, at the exact versions and integrity hashes of the lock file.
 # --ignore-scripts: their postinstall scripts only place the platform binary, which

@@ -5,6 +5,8 @@ its tool, its loop: `solve`), on the `openai` SDK with one fixed base URL and th
 
     POST /ask     {"user", "question"} -> {"conversation", "answer", "kind", "response_ids"}
     POST /thumbs  {"conversation", "up"} -> the feedback service's answer
+    POST /resolved {"conversation", "resolved"} -> the feedback service's answer (the
+                  desk's ticket system reports whether the user's problem was solved)
 
 Each question is a conversation of its own, named by the app (`<user>.<n>`); every model
 call of it carries the conversation as its session (`x-harnessrl-session`) and the desk's
@@ -95,6 +97,11 @@ class Thumbs(BaseModel):
     up: bool
 
 
+class Resolved(BaseModel):
+    conversation: Annotated[str, Field(min_length=1, max_length=128)]
+    resolved: bool
+
+
 class ResponseIds:
     """The ids of the model's answers, by conversation: read off each response as the SDK
     receives it (an httpx response hook), since the agent loop returns only the answer."""
@@ -150,7 +157,11 @@ class Desk:
 
     def thumbs(self, conversation: str, up: bool) -> httpx.Response:
         """Relay a thumbs to the feedback API; a 404 (not there yet) is retried a while."""
-        body = {"session": conversation, "name": "thumbs", "value": 1.0 if up else -1.0}
+        return self.signal(conversation, "thumbs", 1.0 if up else -1.0)
+
+    def signal(self, conversation: str, name: str, value: float) -> httpx.Response:
+        """Send one feedback signal; a 404 (not there yet) is retried a while."""
+        body = {"session": conversation, "name": name, "value": value}
         headers = {"authorization": f"Bearer {self.settings.feedback_key}"}
         deadline = time.monotonic() + FEEDBACK_RETRY_S
         while True:
@@ -210,6 +221,11 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/thumbs")
     def thumbs(body: Thumbs, desk: CurrentDesk) -> JSONResponse:
         response = desk.thumbs(body.conversation, body.up)
+        return JSONResponse(response.json(), status_code=response.status_code)
+
+    @app.post("/resolved")
+    def resolved(body: Resolved, desk: CurrentDesk) -> JSONResponse:
+        response = desk.signal(body.conversation, "resolved", 1.0 if body.resolved else 0.0)
         return JSONResponse(response.json(), status_code=response.status_code)
 
     @app.exception_handler(openai.APIError)
