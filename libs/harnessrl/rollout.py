@@ -178,7 +178,9 @@ class RolloutState:
 
     def __init__(self) -> None:
         self.state = Rollout()
-        self._applied: set[str] = set()
+        self._outcomes: dict[str, str | None] = {}
+        """decision_id -> None (applied) or the refusal: a copy of a decision (the producer
+        delivers at least once) gets its first outcome, wherever it lands later."""
 
     def announced(self, event: pb.PolicyVersion) -> None:
         state = self.state
@@ -200,16 +202,24 @@ class RolloutState:
         )
 
     def decided(self, decision: pb.RolloutDecision) -> str | None:
-        """Apply `decision`; returns None when it applied (or was applied before), else the
-        reason every service refuses it for."""
-        if decision.decision_id in self._applied:
-            return None
+        """Apply `decision`; returns None when it applied, else the reason every service
+        refuses it for. A decision id seen before gets the outcome it got then and changes
+        nothing: a refused decision stays refused even when a later state would admit it."""
+        if decision.decision_id in self._outcomes:
+            return self._outcomes[decision.decision_id]
         reason = refusal(self.state, decision)
-        if reason is not None:
-            return reason
-        self._applied.add(decision.decision_id)
-        self.state = _apply(self.state, decision)
-        return None
+        if decision.decision_id:  # without an id it is refused, and nothing names it
+            self._outcomes[decision.decision_id] = reason
+        if reason is None:
+            self.state = _apply(self.state, decision)
+        return reason
+
+    def outcome(self, decision_id: str) -> tuple[bool, str | None]:
+        """(seen, refusal) of a decision id: (False, None) before it was folded, (True, None)
+        once applied, (True, reason) once refused (`harnessrl policy` waits on it)."""
+        if decision_id not in self._outcomes:
+            return False, None
+        return True, self._outcomes[decision_id]
 
     def assign(self, group_id: str, served: Callable[[int], bool]) -> tuple[Arm, int] | None:
         """The arm and version of a new session (None before any version is announced):
@@ -278,7 +288,7 @@ def refusal(state: Rollout, decision: pb.RolloutDecision) -> str | None:
             )
         if version != state.stable:
             return f"version: no candidate is pending and {version} is not stable"
-        if len(state.stables) < 2:
+        if _stables_after_rollback(state) is None:
             return f"version: {version} is the first stable version; nothing to roll back to"
         if state.pinned:
             return f"version: stable version {state.stable} is pinned; unpin first"
@@ -299,7 +309,8 @@ def _apply(state: Rollout, decision: pb.RolloutDecision) -> Rollout:
     if action == "unpin":
         return replace(state, pinned=False, last=decision)
     if action == "rollback" and state.candidate is None:
-        stables = state.stables[:-1]
+        stables = _stables_after_rollback(state)
+        assert stables is not None  # refusal() admitted it
         return replace(
             state,
             stable=stables[-1],
@@ -327,6 +338,18 @@ def _apply(state: Rollout, decision: pb.RolloutDecision) -> Rollout:
     )
 
 
+def _stables_after_rollback(state: Rollout) -> tuple[int, ...] | None:
+    """The stable versions once stable is rolled back: back to the latest earlier stable
+    that the rollback leaves unretired (an operator may have promoted an older version, so
+    an earlier stable can descend from the one rolled back); None when there is none."""
+    assert state.stable is not None
+    after = replace(state, rolled_back=state.rolled_back | {state.stable})
+    stables = state.stables[:-1]
+    while stables and after.retired(stables[-1]):
+        stables = stables[:-1]
+    return stables or None
+
+
 def _point(group_id: str, candidate: int) -> float:
     digest = hashlib.sha256(f"{group_id}\0canary\0{candidate}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2.0**64
@@ -341,6 +364,7 @@ def describe(state: Rollout) -> Mapping[str, object]:
         "pinned": state.pinned,
         "newest": state.newest,
         "current": state.current(),
+        "serving": sorted(state.serving()),
         "rolled_back": sorted(state.rolled_back),
         "stables": list(state.stables),
     }
