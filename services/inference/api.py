@@ -6,7 +6,9 @@ and `/metrics`; errors in OpenAI's shape (errors.py). With `return_token_ids: tr
 responses carry vLLM's extra fields: `prompt_token_ids` and per-choice `token_ids`.
 Log-probs are those of the distribution each token was sampled from, after temperature and
 top-p (vLLM's processed log-probs); the trainer relies on this. Every response carries the
-policy version that served it in the `x-policy-version` header (engine_calls.py).
+policy version that served it in the `x-policy-version` header (engine_calls.py). Each
+version the engine serves is also listed, and asked for, as `<served name>@v<version>`; the
+served name itself asks for the newest version served.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def create_app(
                 "owned_by": "harnessrl",
                 "max_model_len": engine.max_model_len,
             }
-            for name in served_names[:1]
+            for name in [served_names[0], *map(calls.version_name, engine.versions)]
         ]
         return OrjsonResponse({"object": "list", "data": data})
 

@@ -9,6 +9,12 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from harnessrl.config import ServiceConfig, ServiceSection
+from harnessrl.production import ProductionSection
+
+Follow = Literal["newest", "stable", "candidate"]
+"""Which version a full-weight engine serves during a canary rollout (harnessrl.rollout):
+newest: the current version (`Rollout.current()`, the newest not rolled back); stable: the
+stable version; candidate: the pending candidate, else the current version."""
 
 
 class InferenceSection(ServiceSection):
@@ -40,6 +46,11 @@ class InferenceSection(ServiceSection):
     the engine name in PolicyLoaded and ModelCall events."""
     use_shared_memory: bool = True
     """Take weights through shared memory when the trainer offers it on this host."""
+    follow: Follow = "newest"
+    """production.canary.enabled and full-weight versions: which version this engine serves
+    during a rollout (newest: the current version; stable; candidate: the pending candidate,
+    else the current version). LoRA versions ignore it: the engine serves the stable, the
+    candidate and the current version at once."""
 
 
 class InferenceConfig(ServiceConfig):
@@ -47,6 +58,9 @@ class InferenceConfig(ServiceConfig):
 
     inference: InferenceSection = InferenceSection()
     """The engine."""
+    production: ProductionSection = ProductionSection()
+    """Production sessions; the engine reads `production.canary.enabled` only (canary: serve
+    the rollout's versions, not just the newest)."""
 
 
 class VllmSyncSection(ServiceSection):
@@ -89,6 +103,11 @@ class VllmSyncSection(ServiceSection):
     base_model: Path | None = None
     """lora_name set: the model directory vLLM serves (its --model), when vllm-sync can read
     it: an adapter trained on another base is refused (compared by checksum)."""
+    follow: Follow = "newest"
+    """production.canary.enabled and lora_name unset (full weights): which version this vLLM
+    serves during a rollout (newest: the current version; stable; candidate: the pending
+    candidate, else the current version). With lora_name set the rollout's stable, candidate
+    and current adapters are all loaded, and the stable and candidate are never unloaded."""
 
     @field_validator("vllm_url", "engine_name")
     @classmethod
@@ -105,3 +124,5 @@ class VllmSyncConfig(ServiceConfig):
 
     vllm_sync: VllmSyncSection = VllmSyncSection()
     """The vLLM weight-sync driver."""
+    production: ProductionSection = ProductionSection()
+    """Production sessions; vllm-sync reads `production.canary.enabled` only."""

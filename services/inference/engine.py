@@ -15,6 +15,13 @@ admission, lets in-flight requests finish, loads the new state dict, then admits
 request ever sees a half-updated model, and each request is served by exactly one policy
 version, the one it reports. A version that is a LoRA adapter is applied on the untouched
 base weights (adapter.py); a later full version replaces the base and drops the adapter.
+
+During a canary rollout the engine serves several LoRA versions at once (`add`, `remove`):
+a request may ask for one (`submit(version=...)`), else it gets the newest served; each
+row of a batch gets its own version's adapter (lora_hooks.LoraRows), so a batch mixes
+versions. Adding a version waits only for the step under way; removing one refuses new
+requests for it at once and waits for those already queued or running to finish, so no
+request for another version is disturbed and none changes version mid-way.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from harnessrl.logs import get_logger
 from harnessrl.services.inference.kv import RunningBatch, cache_argument, positions_from_mask
-from harnessrl.services.inference.lora_hooks import LoraOverlay
+from harnessrl.services.inference.lora_hooks import LoraOverlay, LoraRows
 from harnessrl.services.inference.sampling import SamplingParams, generator_for, sample
 from harnessrl.v1 import weights_pb2 as pb
 
@@ -57,6 +64,8 @@ class EngineRequest:
     prompt_ids: list[int]
     params: SamplingParams
     top_logprobs: int = 0
+    requested: int | None = None
+    """The policy version the request asked for (None: the newest the engine serves)."""
     version: int = -1  # policy version that serves it, set at admission
     admitted: asyncio.Event = field(default_factory=asyncio.Event)
     tokens: asyncio.Queue[Token | None] = field(default_factory=asyncio.Queue)
@@ -77,6 +86,14 @@ class EngineRequest:
         if not self.ended:
             self.ended = True
             self.tokens.put_nowait(None)
+
+
+class VersionNotServed(LookupError):
+    """A request asked for a policy version the engine does not serve (or is removing)."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"version {version} is not served here")
+        self.version = version
 
 
 class EngineMetrics:
@@ -146,8 +163,15 @@ class Engine:
         self._swapping = 0
         self._busy = False  # a step is running in the worker thread
         self._cache_arg = cache_argument(model)
-        self._overlay: LoraOverlay | None = None
-        """The adapter served on the base weights, when the version is one."""
+        self._served: dict[int, LoraOverlay | None] = {version: None}
+        """Each version served, with its adapter (None: the base weights themselves)."""
+        self._retiring: set[int] = set()
+        """Versions being removed: refused to new requests, served to those they have."""
+        self._lora = LoraRows(model)
+        self._unhooked: deque[LoraOverlay] = deque()
+        """Overlays `add`ed whose hooks the worker thread attaches before its next step."""
+        self._stepped = asyncio.Event()
+        """Set after every step (removals wait on it for their requests to finish)."""
         self._ids = itertools.count()
         self._stopped = False
         self.last_step_at = time.monotonic()
@@ -155,16 +179,27 @@ class Engine:
     # -- requests ----------------------------------------------------------------------------
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, *, top_logprobs: int = 0
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        top_logprobs: int = 0,
+        version: int | None = None,
     ) -> EngineRequest:
         """Queue a request; read its tokens from `request.tokens` until None.
 
+        `version`: the policy version to serve it (None: the newest served at admission).
         The caller has checked that prompt + max_tokens fits max_model_len. Raises
-        ValueError for an empty prompt (a prefill needs at least one token).
+        ValueError for an empty prompt (a prefill needs at least one token),
+        VersionNotServed for a version not served (or being removed).
         """
         if not prompt_ids:
             raise ValueError("prompt_ids: must not be empty")
-        request = EngineRequest(f"req-{next(self._ids)}", list(prompt_ids), params, top_logprobs)
+        if version is not None and version not in self.versions:
+            raise VersionNotServed(version)
+        request = EngineRequest(
+            f"req-{next(self._ids)}", list(prompt_ids), params, top_logprobs, version
+        )
         self._waiting.append(request)
         self._metrics.waiting.set(len(self._waiting))
         self._wake.set()
@@ -186,18 +221,23 @@ class Engine:
 
     # -- weights -----------------------------------------------------------------------------
 
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """The versions a request may ask for now, ascending."""
+        return tuple(sorted(set(self._served) - self._retiring))
+
     async def swap(
         self,
         version: int,
         state_dict: dict[str, torch.Tensor],
         adapter: pb.LoraAdapter | None = None,
     ) -> None:
-        """Serve `state_dict` as `version` from the next admitted request on.
+        """Serve `state_dict` as `version`, alone, from the next admitted request on.
 
         `adapter` set: `state_dict` holds a LoRA adapter's pairs (published names), applied
-        on the base weights in place of the previous adapter. Waits for running requests to
-        finish (new ones wait meanwhile). Raises ValueError (missing, unknown or mis-shaped
-        tensors) before anything changes: the old weights then stay.
+        on the base weights in place of every previous adapter. Waits for running requests
+        to finish (new ones wait meanwhile). Raises ValueError (missing, unknown or
+        mis-shaped tensors) before anything changes: the old weights then stay.
         """
         self._swapping += 1
         try:
@@ -205,21 +245,76 @@ class Engine:
                 self._idle.clear()
                 self._wake.set()
                 await self._idle.wait()
-            await asyncio.to_thread(self._load, state_dict, adapter)
-            self.version = version
-            self._metrics.version.set(version)
+            overlay = await asyncio.to_thread(self._load, state_dict, adapter)
+            self._served = {version: overlay}
+            self._retiring.clear()
+            self._set_version(version)
         finally:
             self._swapping -= 1
             self._wake.set()
 
-    def _load(self, state_dict: dict[str, torch.Tensor], adapter: pb.LoraAdapter | None) -> None:
+    async def add(
+        self, version: int, state_dict: dict[str, torch.Tensor], adapter: pb.LoraAdapter
+    ) -> None:
+        """Serve the LoRA adapter `state_dict` as `version` beside the versions served
+        (replacing `version`'s adapter if it is served). Requests for other versions go on;
+        it joins between two steps. Raises ValueError (LoraOverlay.build) before anything
+        changes."""
+        overlay = await asyncio.to_thread(LoraOverlay.build, self.model, adapter, state_dict)
+        if version in self._served:
+            await self.remove(version, keep_last=False)
+        # Hooks change only in the worker thread, before the next step's first forward:
+        # a request for `version` is admitted at that step at the earliest.
+        self._unhooked.append(overlay)
+        self._served[version] = overlay
+        self._retiring.discard(version)
+        self._set_version(max(self.versions))
+
+    async def remove(self, version: int, *, keep_last: bool = True) -> None:
+        """Stop serving `version` (idempotent): new requests for it are refused at once
+        (VersionNotServed), those queued or running for it finish first. Raises ValueError
+        when it is the only version served and `keep_last`."""
+        if version not in self._served:
+            return
+        others = [v for v in self._served if v != version and v not in self._retiring]
+        if keep_last and not others:
+            raise ValueError(f"version {version} is the only version served; add another first")
+        self._retiring.add(version)
+        if others:
+            self._set_version(max(others))
+        while self._uses(version):
+            self._stepped.clear()
+            self._wake.set()
+            await self._stepped.wait()
+        if version in self._retiring:  # not served again meanwhile
+            self._retiring.discard(version)
+            del self._served[version]
+
+    def _uses(self, version: int) -> bool:
+        """Whether a request queued or unfinished asks for or is served `version`."""
+        waiting = any(
+            r.requested == version or (r.requested is None and self.version == version)
+            for r in self._waiting
+        )
+        running = any(
+            r.version == version and r.finish_reason is None and not r.aborted
+            for r in self._running
+        )
+        return waiting or running
+
+    def _set_version(self, version: int) -> None:
+        self.version = version
+        self._metrics.version.set(version)
+
+    def _load(
+        self, state_dict: dict[str, torch.Tensor], adapter: pb.LoraAdapter | None
+    ) -> LoraOverlay | None:
         if adapter is not None:
             overlay = LoraOverlay.build(self.model, adapter, state_dict)  # checks everything
-            if self._overlay is not None:
-                self._overlay.detach()
-            overlay.attach(self.model)
-            self._overlay = overlay
-            return
+            self._lora.clear()
+            self._unhooked.clear()
+            self._lora.hook(overlay)
+            return overlay
         with torch.no_grad():
             current = self.model.state_dict()
             unknown = sorted(set(state_dict) - set(current))
@@ -237,9 +332,9 @@ class Engine:
                     )
             for name, tensor in state_dict.items():
                 current[name].copy_(tensor)
-        if self._overlay is not None:  # full weights: no adapter on top of them
-            self._overlay.detach()
-            self._overlay = None
+        self._lora.clear()  # full weights: no adapter on top of them
+        self._unhooked.clear()
+        return None
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -261,6 +356,7 @@ class Engine:
                 continue
             finally:
                 self._busy = False
+                self._stepped.set()
             self._metrics.step.observe(time.perf_counter() - started)
             self.last_step_at = time.monotonic()
             self._dispatch(outputs)
@@ -297,7 +393,7 @@ class Engine:
         admitted = []
         while self._waiting and room > 0:
             request = self._waiting.popleft()
-            request.version = self.version
+            request.version = self.version if request.requested is None else request.requested
             request.admitted.set()
             admitted.append(request)
             room -= 1
@@ -317,6 +413,8 @@ class Engine:
 
     def _step(self, admitted: list[EngineRequest]) -> list[tuple[EngineRequest, Token]]:
         outputs: list[tuple[EngineRequest, Token]] = []
+        while self._unhooked:
+            self._lora.hook(self._unhooked.popleft())
         with torch.inference_mode():
             self._drop_finished()
             if admitted:
@@ -344,6 +442,7 @@ class Engine:
             ids[row, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
             mask[row, width - len(r.prompt_ids) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
+        self._route(requests)
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -361,6 +460,7 @@ class Engine:
         last = torch.tensor([[r.generated[-1]] for r in self._running], device=self.device)
         positions = self._batch.next_positions()
         mask = self._batch.extend_mask()
+        self._route(self._running)
         out = self.model(
             input_ids=last,
             attention_mask=mask,
@@ -370,6 +470,10 @@ class Engine:
         )
         self._batch.cache = out[self._cache_arg]
         return self._sample(self._running, out.logits[:, -1, :])
+
+    def _route(self, rows: Iterable[EngineRequest]) -> None:
+        """Each row of the next forward gets its request's version's adapter."""
+        self._lora.route([self._served.get(r.version) for r in rows], self.device)
 
     def _sample(
         self, requests: list[EngineRequest], logits: torch.Tensor

@@ -1,5 +1,6 @@
 """A request's calls into the engine, as the generating routes (engine_chat.py,
-engine_completions.py) make them: the model and context-length checks, the choices' tokens
+engine_completions.py) make them: the model and context-length checks (a model name
+`<served name>@v<N>` asks for policy version N), the choices' tokens
 collected or merged as they arrive, every choice aborted when the client goes away, the
 streaming response (its header carries the policy version that serves it), and the SSE
 event and usage shapes both routes write.
@@ -8,6 +9,7 @@ event and usage shapes both routes write.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,11 +17,13 @@ import orjson
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from harnessrl.services.inference.codec import TextCodec
-from harnessrl.services.inference.engine import Engine, EngineRequest, Token
+from harnessrl.services.inference.engine import Engine, EngineRequest, Token, VersionNotServed
 from harnessrl.services.inference.generation import ChoiceOutput
 from harnessrl.services.inference.protocol import ApiError
+from harnessrl.services.inference.sampling import SamplingParams
 
 VERSION_HEADER = "x-policy-version"
+_VERSIONED = re.compile(r"^(?P<name>.+)@v(?P<version>\d+)$")
 
 
 class OrjsonResponse(JSONResponse):
@@ -41,11 +45,38 @@ class EngineCalls:
         self.name = names[0]
         self.default_max = default_max
 
-    def check_model(self, model: str | None) -> None:
-        """Raises ApiError(404) unless `model` is a served name (None: the default, as
-        vLLM's `/tokenize` takes it)."""
-        if model is not None and model not in self.names:
+    def version_name(self, version: int) -> str:
+        """The model name that asks for policy `version`."""
+        return f"{self.name}@v{version}"
+
+    def check_model(self, model: str | None) -> int | None:
+        """The policy version `model` asks for: N for `<served name>@v<N>`, None for a
+        served name (the newest version served) or None (the default, as vLLM's
+        `/tokenize` takes it). Raises ApiError(404) for any other name, or a version not
+        served here."""
+        if model is None or model in self.names:
+            return None
+        versioned = _VERSIONED.match(model)
+        if versioned is None or versioned["name"] not in self.names:
             raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+        version = int(versioned["version"])
+        if version not in self.engine.versions:
+            raise _not_served(version)
+        return version
+
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        top_logprobs: int,
+        version: int | None,
+    ) -> EngineRequest:
+        """The engine's submit, a version no longer served answered 404."""
+        try:
+            return self.engine.submit(prompt, params, top_logprobs=top_logprobs, version=version)
+        except VersionNotServed as err:
+            raise _not_served(err.version) from err
 
     def token_limit(self, prompt_len: int, asked: int | None, param: str) -> int:
         if prompt_len == 0:  # nothing to condition on: the engine's prefill needs a token
@@ -135,6 +166,10 @@ class EngineCalls:
             media_type="text/event-stream",
             headers={VERSION_HEADER: str(requests[0].version), "cache-control": "no-cache"},
         )
+
+
+def _not_served(version: int) -> ApiError:
+    return ApiError(404, f"model: version {version} is not served here", "model", "model_not_found")
 
 
 def raise_engine_failure(requests: list[EngineRequest]) -> None:

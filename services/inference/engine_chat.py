@@ -31,12 +31,14 @@ from harnessrl.services.inference.protocol import ChatCompletionRequest
 async def chat(calls: EngineCalls, body: ChatCompletionRequest) -> Response:
     """The chat completion `body` asks for (raises ApiError for a model not served or a
     prompt beyond the context)."""
-    calls.check_model(body.model)
+    version = calls.check_model(body.model)
     prompt = calls.codec.chat_prompt(body.template_messages(), body.template_tools())
     limit = calls.token_limit(len(prompt), body.token_limit, "messages")
     tools = body.template_tools() is not None
     requests = [
-        calls.engine.submit(prompt, body.sampling(limit, i), top_logprobs=body.top_logprobs)
+        calls.submit(
+            prompt, body.sampling(limit, i), top_logprobs=body.top_logprobs, version=version
+        )
         for i in range(body.n)
     ]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

@@ -31,12 +31,12 @@ from harnessrl.services.inference.protocol import ApiError, CompletionRequest
 async def completions(calls: EngineCalls, body: CompletionRequest) -> Response:
     """The completion `body` asks for (raises ApiError for a model not served, a token id
     outside the vocabulary or a prompt beyond the context)."""
-    calls.check_model(body.model)
+    version = calls.check_model(body.model)
     prompts = _prompt_ids(calls.codec, body)
     limits = [calls.token_limit(len(ids), body.token_limit, "prompt") for ids in prompts]
     top = body.logprobs or 0
     requests = [
-        calls.engine.submit(ids, body.sampling(limit, c), top_logprobs=top)
+        calls.submit(ids, body.sampling(limit, c), top_logprobs=top, version=version)
         for ids, limit in zip(prompts, limits, strict=True)
         for c in range(body.n)
     ]

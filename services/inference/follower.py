@@ -88,20 +88,31 @@ class WeightLoader(Protocol):
 
 
 class EngineLoader:
-    """The project's own engine: pull the version, then swap it in between requests.
+    """The project's own engine: pull the version, then swap it in between requests (`load`),
+    or, during a canary rollout (rollout_follower.py), serve an adapter beside the versions
+    served (`add`) and stop serving one (`remove`).
 
     A version that is a LoRA adapter is refused (WeightSyncError) when it was trained on
     another base than `base_model`, the directory the engine started from (compared by
     checksum, computed once), or when the engine no longer serves that base because a full
-    version replaced it.
+    version replaced it. `served_name` is the engine's model name: version v is asked for
+    as `<served_name>@v<v>` (api.py).
     """
 
-    def __init__(self, engine: Engine, pull: Pull, base_model: Path | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        pull: Pull,
+        base_model: Path | None = None,
+        served_name: str = "",
+    ) -> None:
         self._engine = engine
         self._pull = pull
         self._base_model = base_model
         self._base_checksums: dict[str, str] = {}
         self._base_replaced = False
+        self._served_name = served_name
+        self._adapters: bool | None = None
 
     @property
     def version(self) -> int:
@@ -111,15 +122,43 @@ class EngineLoader:
     def served_model(self) -> str:
         return ""  # the engine names the version in each answer's x-policy-version
 
+    @property
+    def served(self) -> dict[int, str]:
+        """Each version the engine serves, with the model name that asks for it."""
+        name = self._served_name
+        return {v: f"{name}@v{v}" if name else "" for v in self._engine.versions}
+
+    @property
+    def adapters(self) -> bool | None:
+        return self._adapters
+
+    @property
+    def keep(self) -> int:
+        return 0  # the engine holds exactly what the rollout needs
+
     async def load(self, address: str, version: int) -> None:
+        await self._install(address, version, beside=False)
+
+    async def add(self, address: str, version: int) -> None:
+        await self._install(address, version, beside=True)
+
+    async def remove(self, version: int) -> None:
+        await self._engine.remove(version)
+
+    async def _install(self, address: str, version: int, *, beside: bool) -> None:
         result = await self._pull(address, version)
         manifest = result.manifest
         if not manifest.HasField("adapter"):
             await self._engine.swap(version, result.state_dict)
             self._base_replaced = True
+            self._adapters = False
             return
         await self._check_base(manifest)
-        await self._engine.swap(version, result.state_dict, manifest.adapter)
+        if beside:
+            await self._engine.add(version, result.state_dict, manifest.adapter)
+        else:
+            await self._engine.swap(version, result.state_dict, manifest.adapter)
+        self._adapters = True
 
     async def _check_base(self, manifest: weights_pb.WeightManifest) -> None:
         from harnessrl.weights.adapter import base_checksum, check_base

@@ -8,11 +8,17 @@ the layer's output dtype), so the engine's log-probs equal the trainer's. `LoraO
 checks a whole version against the model (every module a linear layer named in the target
 modules, both halves of every pair, the shapes) before anything is attached, and the engine
 swaps overlays only between steps (engine.py), so a refused version changes nothing.
+
+An engine serving several versions at once (a canary rollout) routes per batch ROW with
+`LoraRows`: before each forward it is told which overlay each row gets, and each adapted
+module's one hook adds scale * B_v(A_v x) to version v's rows only; rows without an overlay
+get the base. A batch whose rows all share one overlay is computed on the whole tensor with
+exactly `LoraOverlay`'s operations, so single-version results do not change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -93,3 +99,68 @@ def _adds(a: torch.Tensor, b: torch.Tensor, scale: float) -> Any:
         return result.to(out.dtype)
 
     return hook
+
+
+class LoraRows:
+    """Several overlays on one model, each applied to the batch rows it is routed to.
+
+    Not thread-safe: `hook` and `clear` run between forwards, `route` before each forward in
+    the thread that runs it (engine.py keeps both rules).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._modules = dict(model.named_modules())
+        self._handles: dict[str, Any] = {}
+        self._plan: list[tuple[LoraOverlay, torch.Tensor | None]] = []
+        """(overlay, its row indices; None: every row) for the next forward."""
+
+    def hook(self, overlay: LoraOverlay) -> None:
+        """Hook every module `overlay` adapts (once per module; a `build`-checked overlay)."""
+        for path in overlay.pairs:
+            if path not in self._handles:
+                module = self._modules[path]
+                self._handles[path] = module.register_forward_hook(self._adds(path))
+
+    def route(self, rows: Sequence[LoraOverlay | None], device: torch.device) -> None:
+        """Route the next forward's rows: row i gets `rows[i]` (None: the base)."""
+        groups: dict[int, tuple[LoraOverlay, list[int]]] = {}
+        for index, overlay in enumerate(rows):
+            if overlay is not None:
+                groups.setdefault(id(overlay), (overlay, []))[1].append(index)
+        if len(groups) == 1 and len(next(iter(groups.values()))[1]) == len(rows):
+            self._plan = [(next(iter(groups.values()))[0], None)]
+            return
+        self._plan = [
+            (overlay, torch.tensor(indices, dtype=torch.long, device=device))
+            for overlay, indices in groups.values()
+        ]
+
+    def clear(self) -> None:
+        """Remove every hook (idempotent): the model computes the base again."""
+        for handle in self._handles.values():
+            handle.remove()
+        self._handles.clear()
+        self._plan = []
+
+    def _adds(self, path: str) -> Any:
+        def hook(
+            module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor
+        ) -> Any:
+            result = out
+            for overlay, rows in self._plan:
+                pair = overlay.pairs.get(path)
+                if pair is None:
+                    continue
+                a, b = pair
+                x = inputs[0] if inputs[0].dtype == a.dtype else inputs[0].to(a.dtype)
+                if rows is None:  # every row: exactly LoraOverlay's hook
+                    delta = functional.linear(functional.linear(x, a), b) * overlay.scale
+                    return (out + delta).to(out.dtype)
+                if result is out:
+                    result = out.clone()
+                # x, out: [batch, seq, features]; only this version's rows change
+                delta = functional.linear(functional.linear(x[rows], a), b) * overlay.scale
+                result[rows] = (out[rows] + delta).to(out.dtype)
+            return result
+
+        return hook

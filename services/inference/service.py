@@ -13,12 +13,13 @@ from harnessrl.bus.snapshot import read_to_end
 from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, retry
 from harnessrl.runtime import Runtime
-from harnessrl.service_bus import ServiceBus, Subscription
+from harnessrl.service_bus import Handlers, ServiceBus, Subscription
 from harnessrl.services.inference.api import create_app
 from harnessrl.services.inference.codec import TextCodec
 from harnessrl.services.inference.config import InferenceConfig, InferenceSection
 from harnessrl.services.inference.engine import Engine
 from harnessrl.services.inference.follower import EngineLoader, PolicyFollower, weightsync_puller
+from harnessrl.services.inference.rollout_follower import RolloutFollower
 from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)
@@ -156,7 +157,7 @@ class InferenceService:
                 version=engine.version,
             )
             if section.follow_policy:
-                await self._follow(engine, stack)
+                await self._follow(engine, names[0], stack)
             self.ready.set()
             stopped = asyncio.ensure_future(self._stopping.wait())
             await asyncio.wait([serving, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -164,25 +165,41 @@ class InferenceService:
             self._server.server.should_exit = True  # finish open requests, then close
             await serving
 
-    async def _follow(self, engine: Engine, stack: AsyncExitStack) -> None:
+    async def _follow(self, engine: Engine, served_name: str, stack: AsyncExitStack) -> None:
         """Start following hrl.policy in the background (the engine serves without Kafka)."""
         section = self._config.inference
         await self._bus.start(stack)
         name = section.advertise_url or f"http://{section.host}:{self.port}"
-        follower = PolicyFollower(
-            EngineLoader(
-                engine, weightsync_puller(section.use_shared_memory), base_model=section.model
-            ),
-            engine_name=name,
-            registry=self._runtime.registry,
+        loader = EngineLoader(
+            engine,
+            weightsync_puller(section.use_shared_memory),
+            base_model=section.model,
+            served_name=served_name,
         )
+        group = f"harnessrl.inference.{self._config.instance}"
+        if self._config.production.canary.enabled:
+            rollout = RolloutFollower(
+                loader, engine_name=name, follow=section.follow, registry=self._runtime.registry
+            )
+
+            async def rebuild() -> None:
+                await self._bus.create_topics([events.POLICY])
+                await self._rebuild_rollout(rollout)
+
+            handlers: Handlers = {
+                pb.PolicyVersion: rollout.on_version,
+                pb.RolloutDecision: rollout.on_decision,
+            }
+            subscription = Subscription(group, handlers)
+            self._follow_task = self._bus.consume(stack, subscription, before=rebuild).task
+            return
+        follower = PolicyFollower(loader, engine_name=name, registry=self._runtime.registry)
 
         async def before() -> None:  # in the background: the engine serves without Kafka
             await self._bus.create_topics([events.POLICY])
             await self._catch_up(follower)
 
         # Every replica must see every version: a consumer group of its own.
-        group = f"harnessrl.inference.{self._config.instance}"
         subscription = Subscription(group, {pb.PolicyVersion: follower.on_version})
         self._follow_task = self._bus.consume(stack, subscription, before=before).task
 
@@ -217,6 +234,28 @@ class InferenceService:
                     await self._bus.producer.publish(loaded)
         except Exception as err:  # the consumer still brings the next version
             log.warning("could not catch up with the newest policy version", error=repr(err))
+
+    async def _rebuild_rollout(self, rollout: RolloutFollower) -> None:
+        """Fold hrl.policy's history, then serve what the rollout needs: a replica started
+        (or restarted) mid-canary loads the stable and the candidate again at once. The
+        consumer then replays nothing twice (the fold is idempotent)."""
+
+        async def scan() -> None:
+            async for _, event, _ in read_to_end(
+                self._config.kafka,
+                events.POLICY,
+                client_id=f"{self._runtime.producer_name}/rollout",
+            ):
+                if isinstance(event, pb.PolicyVersion | pb.RolloutDecision):
+                    rollout.fold(event)
+
+        await retry(scan, backoff=Backoff(0.5, 5.0), max_attempts=10**6)
+        try:
+            loaded = await retry(rollout.reconcile, backoff=Backoff(0.5, 5.0), max_attempts=20)
+            for event in loaded:
+                await self._bus.producer.publish(event)
+        except Exception as err:  # the consumer's next event reconciles again
+            log.warning("could not load the rollout's versions", error=repr(err))
 
     async def _stop_engine(self, engine: Engine) -> None:
         await engine.stop()

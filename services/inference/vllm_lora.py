@@ -9,6 +9,10 @@ LoRA API; from then on the version's PolicyLoaded names that adapter (`served_mo
 the gateway asks vLLM for it, so each call is served by exactly the version it is stamped
 with. The newest `keep_adapters` adapters stay loaded, older ones are unloaded and their
 directories removed. A version that fails anywhere leaves the previous adapter serving.
+During a canary rollout (rollout_follower.py) the follower chooses instead: `add` loads an
+adapter beside the others and unloads nothing, `remove` unloads one, so the stable and the
+candidate are never evicted; `served` lists what vLLM serves, its base model (the initial
+version) under "" (vLLM's own name) until the rollout no longer needs it.
 
 What this relies on in vLLM (docs/features/lora.md, "Dynamically serving LoRA Adapters";
 vllm/entrypoints/serve/lora/api_router.py and openai/models/serving.py):
@@ -74,6 +78,10 @@ class VllmLoraServer:
         self._transport = transport
         self._version = initial_version
         self._served = ""
+        self._adapters: set[int] = set()
+        """Versions of our adapters vLLM has loaded, as of the last check, load or unload."""
+        self._base_served = True
+        """Whether the base model still serves the initial version (`served`)."""
 
     @property
     def version(self) -> int:
@@ -84,6 +92,20 @@ class VllmLoraServer:
     def served_model(self) -> str:
         """The adapter name of `version` ("" while vLLM serves its base model)."""
         return self._served
+
+    @property
+    def served(self) -> dict[int, str]:
+        """Each version vLLM serves, with the model name that asks for it."""
+        served = {self._initial: ""} if self._base_served else {}
+        return served | {v: self.name_of(v) for v in self._adapters}
+
+    @property
+    def adapters(self) -> bool:
+        return True
+
+    @property
+    def keep(self) -> int:
+        return self._keep
 
     def name_of(self, version: int) -> str:
         """The adapter name of `version` in vLLM."""
@@ -108,6 +130,13 @@ class VllmLoraServer:
         or VllmRefused / VllmUnusable when vLLM refuses the adapter: the previous adapter
         keeps serving.
         """
+        await self.add(address, version)
+        self._version, self._served = version, self.name_of(version)
+        await self._unload_older()
+
+    async def add(self, address: str, version: int) -> None:
+        """Pull, verify and write the adapter of `version`, load it into vLLM beside the
+        adapters loaded; raises as `load` does."""
         from harnessrl.weights.adapter import write_peft_dir
 
         result = await self._pull(address, version)
@@ -129,9 +158,21 @@ class VllmLoraServer:
             except (VllmRefused, VllmUnusable):
                 shutil.rmtree(path, ignore_errors=True)  # refused: vLLM never reads it
                 raise
-        self._version, self._served = version, name
+        self._adapters.add(version)
         log.info("LoRA adapter loaded into vLLM", version=version, adapter=name, path=str(path))
-        await self._unload_older()
+
+    async def remove(self, version: int) -> None:
+        """Unload the adapter of `version` and remove its directory (idempotent); the
+        initial version, served by the base model, is only no longer listed in `served`."""
+        if version == self._initial and version not in self._adapters:
+            self._base_served = False
+            return
+        name = self.name_of(version)
+        if version in await self._loaded():
+            await self._post("/v1/unload_lora_adapter", {"lora_name": name})
+        await asyncio.to_thread(shutil.rmtree, self._dir / name, True)
+        self._adapters.discard(version)
+        log.info("LoRA adapter unloaded from vLLM", adapter=name)
 
     async def _unload_older(self) -> None:
         """Unload our adapters beyond the newest `keep_adapters`. A failure is logged and
@@ -142,6 +183,7 @@ class VllmLoraServer:
                 name = self.name_of(old)
                 await self._post("/v1/unload_lora_adapter", {"lora_name": name})
                 await asyncio.to_thread(shutil.rmtree, self._dir / name, True)
+                self._adapters.discard(old)
                 log.info("LoRA adapter unloaded from vLLM", adapter=name)
         except Exception as err:
             if not (is_retryable(err) or isinstance(err, VllmRefused | VllmUnusable)):
@@ -172,6 +214,7 @@ class VllmLoraServer:
             match = self._pattern.fullmatch(str(model.get("id", "")))
             if match:
                 versions.append(int(match.group(1)))
+        self._adapters = set(versions)
         return versions
 
     async def _post(self, path: str, body: dict[str, str]) -> None:

@@ -49,6 +49,28 @@ class VllmServer:
     def served_model(self) -> str:
         return ""  # full weights: vLLM serves every version under its own model name
 
+    @property
+    def served(self) -> dict[int, str]:
+        """The one version vLLM serves, under its own model name."""
+        return {self._version: ""}
+
+    @property
+    def adapters(self) -> bool:
+        return False
+
+    @property
+    def keep(self) -> int:
+        return 0
+
+    async def add(self, address: str, version: int) -> None:
+        """Full weights replace the version served: `load`, whichever is newer (a canary
+        rollout's follow label may name an older one)."""
+        await self.load(address, version)
+
+    async def remove(self, version: int) -> None:
+        """Full weights are only ever replaced; the rollout follower never removes them."""
+        raise ValueError(f"version {version}: full weights cannot be unloaded, only replaced")
+
     async def check(self) -> int:
         """Ask vLLM which version its workers serve (the oldest, should they differ).
 

@@ -22,6 +22,13 @@ vLLM cannot be reached it retries with backoff, and /healthz reports `vllm_reach
 false`. The newest announcements are read back from hrl.policy at start, so a restarted
 vllm-sync knows them too.
 
+With `production.canary.enabled` it follows the rollout instead (rollout_follower.py): it
+folds every PolicyVersion and RolloutDecision (read back at start, then consumed), and after
+each event, and at every check, has vLLM serve what the rollout needs: with adapters, the
+stable, candidate and current versions (the stable and candidate never unloaded; a vLLM that
+restarted gets them all back at the next check); with full weights, the version its
+`follow` label names.
+
 Tested against a stand-in vLLM HTTP server (tests/vllm_standin.py: /pause, /resume,
 /collective_rpc running the real worker extension on stand-in workers; /v1/models and the
 runtime LoRA endpoints reading the adapter directories written) with a real
@@ -41,9 +48,10 @@ from harnessrl.bus.snapshot import read_to_end
 from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, is_retryable, retry
 from harnessrl.runtime import Runtime
-from harnessrl.service_bus import ServiceBus, Subscription
+from harnessrl.service_bus import Handlers, ServiceBus, Subscription
 from harnessrl.services.inference.config import VllmSyncConfig
 from harnessrl.services.inference.follower import PolicyFollower, weightsync_puller
+from harnessrl.services.inference.rollout_follower import RolloutFollower
 from harnessrl.services.inference.vllm_lora import VllmLoraServer
 from harnessrl.services.inference.vllm_server import VllmServer
 from harnessrl.v1 import events_pb2 as pb
@@ -123,6 +131,15 @@ class VllmSyncService:
         self.follower = PolicyFollower(
             self.vllm, engine_name=self.engine_name, registry=runtime.registry
         )
+        self.rollout: RolloutFollower | None = None
+        """Set with production.canary.enabled: follows the rollout, not the newest version."""
+        if config.production.canary.enabled:
+            self.rollout = RolloutFollower(
+                self.vllm,
+                engine_name=self.engine_name,
+                follow=section.follow,
+                registry=runtime.registry,
+            )
         self._lock = asyncio.Lock()  # one swap or check at a time
         self._stopping = asyncio.Event()
         self._bus = ServiceBus(config, runtime)
@@ -136,7 +153,13 @@ class VllmSyncService:
             await self._bus.start(stack)
             # Every vLLM server must see every version: a consumer group of its own.
             group = f"harnessrl.vllm-sync.{self._config.instance}"
-            consumer = self._bus.consumer(Subscription(group, {pb.PolicyVersion: self._on_version}))
+            handlers: Handlers = {pb.PolicyVersion: self._on_version}
+            if self.rollout is not None:
+                handlers = {
+                    pb.PolicyVersion: self._on_rollout,
+                    pb.RolloutDecision: self._on_rollout,
+                }
+            consumer = self._bus.consumer(Subscription(group, handlers))
             checked = asyncio.Event()
             watch = asyncio.create_task(self._watch(checked), name="vllm-watch")
             follow = asyncio.create_task(self._follow(consumer, checked), name="policy-follow")
@@ -193,6 +216,10 @@ class VllmSyncService:
         async for _, event, _ in read_to_end(
             self._config.kafka, events.POLICY, client_id=f"{self._runtime.producer_name}/rebuild"
         ):
+            if self.rollout is not None and isinstance(
+                event, pb.PolicyVersion | pb.RolloutDecision
+            ):
+                self.rollout.fold(event)
             if isinstance(event, pb.PolicyVersion):
                 self.book.announced(event)
             elif isinstance(event, pb.PolicyLoaded) and event.engine == self.engine_name:
@@ -205,6 +232,16 @@ class VllmSyncService:
         if loaded is not None:
             ctx.publish(loaded)
 
+    async def _on_rollout(self, event: pb.PolicyVersion | pb.RolloutDecision, ctx: Context) -> None:
+        rollout = self.rollout
+        if rollout is None:  # subscribed only with a rollout follower
+            return
+        async with self._lock:
+            rollout.fold(event)
+            loaded = await rollout.reconcile()
+        for report in loaded:
+            ctx.publish(report)
+
     async def _apply(self, event: pb.PolicyVersion) -> pb.PolicyLoaded | None:
         """The follower's apply, remembered in the book. Call with the lock held."""
         loaded = await self.follower.apply(event)
@@ -215,7 +252,12 @@ class VllmSyncService:
         return loaded
 
     async def _catch_up(self) -> None:
-        """Apply what the book says vLLM lacks (nothing when it serves the newest)."""
+        """Apply what the book says vLLM lacks (nothing when it serves the newest); during
+        a canary rollout, what the rollout needs."""
+        if self.rollout is not None:
+            for report in await self.rollout.reconcile():
+                self._bus.producer.publish(report).add_done_callback(_log_refused)
+            return
         target = self.book.target(self.vllm.version)
         if target is None:
             return

@@ -1,0 +1,221 @@
+"""Following a canary rollout: the versions an inference replica serves, folded from hrl.policy.
+
+With `production.canary.enabled` a replica does not simply load each newer version
+(follower.PolicyFollower). It folds hrl.policy's PolicyVersion and RolloutDecision events
+with harnessrl.rollout.RolloutState, as every service does, and after each event makes the
+replica serve what the rollout needs:
+
+- a replica serving LoRA adapters keeps loaded exactly `Rollout.serving()` (stable,
+  candidate, current): it loads the missing ones and unloads the rest, retired ones (rolled
+  back, or descending from a version that was) first and always; a loader that keeps spare
+  adapters (vLLM's keep_adapters) may leave the newest others loaded. A retired version is
+  never loaded.
+- a replica serving full weights serves the one version its `follow` label names (newest:
+  the current version; stable; candidate: the candidate, else the current version).
+
+After every change it reports PolicyLoaded(ok=true) with every version served now and the
+model name that asks for each (`serving`). A version that fails verification is reported
+PolicyLoaded(ok=false) and never tried again by this process; one the trainer no longer
+holds is reported ok=false with "version gone: ..." too, so the canary judge can roll a
+candidate back instead of waiting for a load that cannot happen. Which kind a replica
+serves is known once it pulled a version (the loader's `adapters`); until then it loads as
+for adapters, the `follow` target first, so a full-weight replica loads its target first.
+Transient failures propagate: the consumer retries the event, and the fold is idempotent
+(a decision is folded once by id, refused or not, so a replay never re-judges it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter
+
+from harnessrl.bus import Context
+from harnessrl.logs import get_logger
+from harnessrl.retry import is_retryable
+from harnessrl.rollout import Rollout, RolloutState
+from harnessrl.services.inference.config import Follow
+from harnessrl.services.inference.follower import VersionGone, WeightLoader
+from harnessrl.v1 import events_pb2 as pb
+
+log = get_logger(__name__)
+
+
+class RolloutLoader(WeightLoader, Protocol):
+    """A weight loader that can serve several versions at once (LoRA adapters)."""
+
+    @property
+    def served(self) -> Mapping[int, str]:
+        """Every version served now, with the model name a request must carry for it."""
+
+    @property
+    def adapters(self) -> bool | None:
+        """True: serves LoRA adapters, several at once; False: full weights, one version;
+        None: not known until a version was loaded."""
+
+    @property
+    def keep(self) -> int:
+        """Most adapters it keeps loaded when the rollout needs fewer (0: exactly those)."""
+
+    async def add(self, address: str, version: int) -> None:
+        """Serve `version` from now on: an adapter beside the versions served, full weights
+        in place of them. Raises as WeightLoader.load does; nothing changes on failure."""
+
+    async def remove(self, version: int) -> None:
+        """Stop serving the adapter `version` (idempotent); requests it is serving finish."""
+
+
+def target(state: Rollout, follow: Follow) -> int | None:
+    """The version a full-weight replica labelled `follow` serves in `state`."""
+    if follow == "stable":
+        return state.stable
+    if follow == "candidate" and state.candidate is not None:
+        return state.candidate
+    return state.current()
+
+
+class RolloutFollower:
+    """Consumer handlers for hrl.policy on one replica during canary rollouts."""
+
+    def __init__(
+        self,
+        loader: RolloutLoader,
+        *,
+        engine_name: str,
+        follow: Follow,
+        registry: CollectorRegistry,
+    ) -> None:
+        self._loader = loader
+        self._name = engine_name
+        self._follow = follow
+        self.rollout = RolloutState()
+        self._addresses: dict[int, str] = {}
+        self._seen: set[str] = set()
+        self._failed: dict[int, str] = {}
+        """Versions that will not load (refused, or gone), with why: never tried again."""
+        self._lock = asyncio.Lock()
+        self._loads = Counter(
+            "harnessrl_engine_rollout_loads",
+            "Weight loads of a canary rollout's versions by outcome.",
+            ["outcome"],
+            registry=registry,
+        )
+
+    def fold(self, event: pb.PolicyVersion | pb.RolloutDecision) -> None:
+        """Fold one hrl.policy event into the rollout (idempotent; in topic order)."""
+        if isinstance(event, pb.PolicyVersion):
+            self._addresses[int(event.version)] = event.weightsync_address
+            self.rollout.announced(event)
+            return
+        if event.decision_id in self._seen:
+            return
+        self._seen.add(event.decision_id)
+        reason = self.rollout.decided(event)
+        if reason is not None:
+            log.info("rollout decision refused", decision_id=event.decision_id, reason=reason)
+
+    async def on_version(self, event: pb.PolicyVersion, ctx: Context) -> None:
+        """The consumer's handler of PolicyVersion: fold, reconcile, publish what changed."""
+        self.fold(event)
+        for loaded in await self.reconcile():
+            ctx.publish(loaded)
+
+    async def on_decision(self, event: pb.RolloutDecision, ctx: Context) -> None:
+        """The consumer's handler of RolloutDecision: fold, reconcile, publish what changed."""
+        self.fold(event)
+        for loaded in await self.reconcile():
+            ctx.publish(loaded)
+
+    async def reconcile(self) -> list[pb.PolicyLoaded]:
+        """Make the replica serve what the rollout needs; the PolicyLoaded events to publish
+        (one per load tried, one after removals). Raises the loader's transient errors."""
+        async with self._lock:
+            state = self.rollout.state
+            if state.stable is None:
+                return []
+            reports: list[pb.PolicyLoaded] = []
+            for version in self._wanted(state):
+                if self._loader.adapters is False and version != target(state, self._follow):
+                    continue
+                if version in self._loader.served or version in self._failed:
+                    continue
+                reports.append(await self._load(version))
+            if self._loader.adapters and await self._unload_surplus(state):
+                reports.append(self._report(max(self._loader.served)))
+            return reports
+
+    def _wanted(self, state: Rollout) -> list[int]:
+        """The versions to serve, the full-weight target first."""
+        first = target(state, self._follow)
+        rest = sorted(state.serving() - {first}, reverse=True)
+        wanted = [v for v in (first, *rest) if v is not None]
+        return [v for v in wanted if not state.retired(v)]
+
+    async def _unload_surplus(self, state: Rollout) -> bool:
+        """Unload what the rollout no longer needs; whether anything was unloaded."""
+        wanted = set(self._wanted(state))
+        surplus = sorted(set(self._loader.served) - wanted, reverse=True)
+        room = max(0, self._loader.keep - len(wanted & set(self._loader.served)))
+        spare = [v for v in surplus if not state.retired(v)][:room]
+        unloaded = False
+        for version in surplus:
+            if version in spare or len(self._loader.served) < 2:
+                continue
+            await self._loader.remove(version)
+            log.info("policy version unloaded", version=version, retired=state.retired(version))
+            unloaded = True
+        return unloaded
+
+    async def _load(self, version: int) -> pb.PolicyLoaded:
+        started = time.monotonic()
+        address = self._addresses[version]  # wanted versions are announced ones
+        try:
+            await self._loader.add(address, version)
+        except VersionGone as gone:
+            self._loads.labels("skipped").inc()
+            self._failed[version] = f"version gone: {gone}"
+            log.warning("policy version no longer held by the trainer", version=version)
+            return self._refused(version, self._failed[version], started)
+        except Exception as err:
+            if is_retryable(err):
+                raise  # the consumer retries: the trainer or the engine may be restarting
+            self._loads.labels("failed").inc()
+            self._failed[version] = f"{type(err).__name__}: {err}"[:2000]
+            log.error("policy version refused", version=version, error=str(err))
+            return self._refused(version, self._failed[version], started)
+        self._loads.labels("ok").inc()
+        report = self._report(version, load_ms=(time.monotonic() - started) * 1000)
+        log.info(
+            "policy version loaded",
+            version=version,
+            serving=sorted(self._loader.served),
+            load_ms=round(report.load_ms, 1),
+        )
+        return report
+
+    def _refused(self, version: int, error: str, started: float) -> pb.PolicyLoaded:
+        return pb.PolicyLoaded(
+            version=version,
+            engine=self._name,
+            ok=False,
+            error=error,
+            load_ms=(time.monotonic() - started) * 1000,
+            serving=self._serving(),
+        )
+
+    def _report(self, version: int, load_ms: float = 0.0) -> pb.PolicyLoaded:
+        return pb.PolicyLoaded(
+            version=version,
+            engine=self._name,
+            ok=True,
+            load_ms=load_ms,
+            served_model=self._loader.served.get(version, ""),
+            serving=self._serving(),
+        )
+
+    def _serving(self) -> list[pb.ServedVersion]:
+        served = self._loader.served
+        return [pb.ServedVersion(version=v, model=served[v]) for v in sorted(served)]
