@@ -18,7 +18,9 @@ group of this instance's own, so the instance that holds a tombstone sees its an
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -30,6 +32,8 @@ from harnessrl.metrics import Labelled
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
 from harnessrl.service_bus import EventHandler, Handlers, ServiceBus, Subscription
+from harnessrl.services.reward.canary_judge import CanaryJudge, CanaryMetrics
+from harnessrl.services.reward.canary_store import CanaryStore
 from harnessrl.services.reward.config import RewardConfig
 from harnessrl.services.reward.episode import Episode
 from harnessrl.services.reward.feedback_api import FeedbackApi
@@ -105,6 +109,7 @@ class RewardService:
         self.ready = asyncio.Event()
         self._join: FeedbackJoin | None = None
         self._feedback_api: FeedbackApi | None = None
+        self._judge: CanaryJudge | None = None
 
     @property
     def source(self) -> str:
@@ -133,6 +138,8 @@ class RewardService:
                     self._scored.add((event.episode_id, event.attempt))
             if config.production.apps:
                 await self._start_feedback(stack)
+                if config.production.canary.enabled:
+                    await self._start_judge(stack)
             # Closed in reverse: the consumer stops taking episodes, then the ones being
             # scored finish (or are cancelled), then the feedback side, then the producer
             # flushes.
@@ -177,6 +184,34 @@ class RewardService:
         stack.push_async_callback(api.stop)
         self._join, self._feedback_api = join, api
 
+    async def _start_judge(self, stack: AsyncExitStack) -> None:
+        """The canary judge (canary_judge.py): its store, hrl.policy's history folded, then
+        hrl.policy and hrl.rewards followed by a consumer group of this instance's own;
+        production sessions' ends reach it from the episodes consumer (_session_event)."""
+        production, runtime = self._config.production, self._runtime
+        store = await asyncio.to_thread(CanaryStore, production.store)
+        judge = CanaryJudge(
+            production.canary,
+            production.feedback,
+            store,
+            self._bus.producer.publish,
+            CanaryMetrics(runtime.registry),
+        )
+        stack.push_async_callback(judge.close)
+        history = read_to_end(
+            self._config.kafka, events.POLICY, client_id=f"{runtime.producer_name}/canary"
+        )
+        await judge.start(event async for _, event, _ in history)
+        handlers: Handlers = {
+            pb.PolicyVersion: _event_only(judge.on_policy),
+            pb.RolloutDecision: _event_only(judge.on_policy),
+            pb.PolicyLoaded: _event_only(judge.on_policy),
+            pb.RewardAssigned: _event_only(judge.on_reward),
+        }
+        group = f"harnessrl.reward.{self._config.instance}.canary"
+        self._bus.consume(stack, Subscription(group, handlers))
+        self._judge = judge
+
     def health(self) -> dict[str, bool]:
         return {"producer": self._bus.healthy}
 
@@ -195,6 +230,8 @@ class RewardService:
         elif isinstance(event, pb.EpisodeStarted):
             await self._join.on_started(event)
         else:
+            if self._judge is not None:  # its end recorded before the join decides its reward
+                await self._judge.on_finished(event)
             await self._join.on_finished(event)
 
     async def _on_finished(self, event: pb.EpisodeFinished, ctx: Context) -> None:
@@ -290,6 +327,13 @@ def _applied(join: FeedbackJoin) -> EventHandler:
         await join.on_applied(event)
 
     return on_applied
+
+
+def _event_only(handle: Callable[[Any], Awaitable[None]]) -> EventHandler:
+    async def on_event(event: Any, ctx: Context) -> None:
+        await handle(event)
+
+    return on_event
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:

@@ -1,0 +1,329 @@
+"""The reward service's canary judge (services/reward/canary_judge.py) on its real SQLite
+store, with a fixed clock; hrl.policy is played by the test: what the judge publishes is
+collected in memory and handed back to it as the topic would (the broker and the service
+wiring are tested in tests/integration/test_canary_judge_service.py)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+from prometheus_client import CollectorRegistry
+
+from harnessrl.production import FeedbackSection, SignalRule, session_group
+from harnessrl.rollout import CanarySection, GuardSection
+from harnessrl.services.reward.canary_judge import CanaryJudge, CanaryMetrics, reward_bounds
+from harnessrl.services.reward.canary_store import CanaryStore
+from harnessrl.v1 import events_pb2 as pb
+
+NOW = 1_800_000_000.0
+FEEDBACK = FeedbackSection(
+    signals={
+        "thumbs": SignalRule(min=0.0, max=1.0, required=True),
+        "resolved": SignalRule(min=-0.5, max=0.5),
+    }
+)
+SECTION = CanarySection(
+    enabled=True,
+    share=0.5,
+    min_sessions=20,
+    mixture_sessions=20.0,
+    guards={"error": GuardSection(margin=0.02, alpha=0.01), "slow": GuardSection()},
+)
+
+
+class Topic:
+    """hrl.policy as the judge sees it: what it published, handed back in order."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+        self.published: list[pb.RolloutDecision] = []
+        self.delivered = 0
+        """Events the judge (one at a time per topic) has been handed."""
+
+    async def publish(self, decision: pb.RolloutDecision) -> None:
+        self.published.append(decision)
+        self.events.append(decision)
+
+    async def history(self) -> AsyncIterator[Any]:
+        for event in list(self.events):
+            yield event
+
+    async def deliver(self, judge: CanaryJudge, *extra: Any) -> None:
+        """Hand `extra` to the topic, then everything not yet delivered to the judge (also
+        what the judge publishes meanwhile), in topic order."""
+        self.events.extend(extra)
+        while self.delivered < len(self.events):
+            self.delivered += 1
+            await judge.on_policy(self.events[self.delivered - 1])
+
+
+def make_judge(tmp_path: Path, topic: Topic, section: CanarySection = SECTION) -> CanaryJudge:
+    return CanaryJudge(
+        section,
+        FEEDBACK,
+        CanaryStore(tmp_path / "store"),
+        topic.publish,
+        CanaryMetrics(CollectorRegistry()),
+        clock=lambda: NOW,
+    )
+
+
+async def started(tmp_path: Path, topic: Topic, section: CanarySection = SECTION) -> CanaryJudge:
+    judge = make_judge(tmp_path, topic, section)
+    topic.delivered = len(topic.events)  # folded by start, along with what it publishes
+    await judge.start(topic.history())
+    await topic.deliver(judge)
+    return judge
+
+
+def version(v: int, base: int | None = None) -> pb.PolicyVersion:
+    event = pb.PolicyVersion(version=v)
+    if base is not None:
+        event.base = base
+    return event
+
+
+def finished(
+    i: int, arm: str, canary: int = 1, *, errors: int = 0, slow: bool = False
+) -> pb.EpisodeFinished:
+    group = session_group("desk", f"s{i}")
+    return pb.EpisodeFinished(
+        episode_id=group,
+        attempt=1,
+        group_id=group,
+        final=True,
+        session=pb.SessionInfo(
+            app="desk",
+            session_id=f"s{i}",
+            arm=arm,
+            canary=canary,
+            policy_version=canary if arm == "candidate" else 0,
+            stats=pb.SessionStats(
+                calls=3,
+                errors=errors,
+                answered=True,
+                latency_ms_max=120_000.0 if slow else 50.0,
+            ),
+        ),
+    )
+
+
+def rewarded(i: int, value: float | None) -> pb.RewardAssigned:
+    group = session_group("desk", f"s{i}")
+    reward = pb.RewardAssigned(
+        episode_id=group,
+        attempt=1,
+        group_id=group,
+        source="feedback",
+        session=pb.SessionInfo(app="desk", session_id=f"s{i}"),
+    )
+    if value is None:
+        reward.missing = True
+    else:
+        reward.value = value
+    return reward
+
+
+def sessions(means: dict[str, float], count: int, seed: int) -> list[tuple[int, str, float]]:
+    """(index, arm, 0/1 reward) of `count` sessions alternating between the arms."""
+    rng = np.random.default_rng(seed)
+    arms = ("stable", "candidate")
+    return [(i, arms[i % 2], float(rng.random() < means[arms[i % 2]])) for i in range(count)]
+
+
+async def feed(
+    judge: CanaryJudge, topic: Topic, items: Sequence[tuple[int, str, float]], **stats: Any
+) -> None:
+    """Each session ends, then its reward is decided; decisions go round through the topic."""
+    for i, arm, value in items:
+        await judge.on_finished(finished(i, arm, **stats))
+        await topic.deliver(judge)
+        await judge.on_reward(rewarded(i, value))
+        await topic.deliver(judge)
+
+
+def actions(topic: Topic) -> list[tuple[str, int, str]]:
+    names = {pb.ROLLOUT_ACTION_START: "start", pb.ROLLOUT_ACTION_PROMOTE: "promote"}
+    names[pb.ROLLOUT_ACTION_ROLLBACK] = "rollback"
+    return [(names[d.action], d.version, d.reason) for d in topic.published]
+
+
+def test_reward_bounds_span_every_signal() -> None:
+    assert reward_bounds(FEEDBACK) == (-0.5, 1.0)
+
+
+async def test_a_newer_version_starts_as_candidate_once(tmp_path: Path) -> None:
+    topic = Topic()
+    topic.events += [version(0), version(1)]
+    judge = await started(tmp_path, topic)
+    assert len(topic.published) == 1
+    start = topic.published[0]
+    assert start.decision_id == "canary/1/start"
+    assert (start.action, start.version, start.stable) == (pb.ROLLOUT_ACTION_START, 1, 0)
+    assert (start.actor, start.reason, start.share) == ("canary", "new version", 0.5)
+    assert start.decided_at.ToNanoseconds() == int(NOW * 1e9)
+    assert judge.state.candidate == 1
+    await judge.check()
+    await topic.deliver(judge, version(2))  # a newer version waits for this canary's end
+    assert len(topic.published) == 1
+
+
+async def test_nothing_starts_while_pinned_or_when_stable_is_newest(tmp_path: Path) -> None:
+    topic = Topic()
+    topic.events.append(version(0))
+    judge = await started(tmp_path, topic)
+    assert topic.published == []
+    pin = pb.RolloutDecision(
+        decision_id="op/pin", action=pb.ROLLOUT_ACTION_PIN, version=0, stable=0, actor="operator:a"
+    )
+    await topic.deliver(judge, pin, version(1))
+    assert judge.state.pinned and topic.published == []
+    unpin = pb.RolloutDecision(
+        decision_id="op/unpin", action=pb.ROLLOUT_ACTION_UNPIN, stable=0, actor="operator:a"
+    )
+    await topic.deliver(judge, unpin)
+    assert actions(topic) == [("start", 1, "new version")]
+
+
+async def test_a_harmful_candidate_is_rolled_back_with_its_evidence(tmp_path: Path) -> None:
+    topic = Topic()
+    topic.events += [version(0), version(1)]
+    judge = await started(tmp_path, topic)
+    await feed(judge, topic, sessions({"stable": 0.9, "candidate": 0.1}, 400, seed=1))
+    assert actions(topic) == [("start", 1, "new version"), ("rollback", 1, "reward")]
+    rollback = topic.published[-1]
+    assert (rollback.decision_id, rollback.stable, rollback.actor) == (
+        "canary/1/rollback",
+        0,
+        "canary",
+    )
+    proof = orjson.loads(rollback.evidence_json)
+    assert proof["action"] == "rollback"
+    assert proof["reward"]["upper"] < 0
+    assert proof["sessions"]["candidate"] >= SECTION.min_sessions
+    assert judge.state.candidate is None and 1 in judge.state.rolled_back
+    assert judge.metrics.decisions("rollback", "reward")._value.get() == 1
+
+
+async def test_a_helpful_candidate_is_promoted_and_the_next_version_starts(tmp_path: Path) -> None:
+    topic = Topic()
+    topic.events += [version(0), version(1)]
+    judge = await started(tmp_path, topic)
+    await topic.deliver(judge, version(2))
+    await feed(judge, topic, sessions({"stable": 0.2, "candidate": 0.9}, 400, seed=2))
+    assert actions(topic)[:3] == [
+        ("start", 1, "new version"),
+        ("promote", 1, "reward"),
+        ("start", 2, "new version"),
+    ]
+    assert judge.state.stable == 1 and judge.state.candidate == 2
+    assert judge.canary is not None and judge.canary.arms["candidate"].sessions == 0
+
+
+async def test_guards_alone_roll_back_a_candidate_without_rewards(tmp_path: Path) -> None:
+    topic = Topic()
+    topic.events += [version(0), version(1)]
+    judge = await started(tmp_path, topic)
+    for i in range(200):
+        arm = ("stable", "candidate")[i % 2]
+        await judge.on_finished(finished(i, arm, errors=int(arm == "candidate")))
+        await judge.on_reward(rewarded(i, None))  # decided without a reward
+        await topic.deliver(judge)
+        if len(topic.published) > 1:
+            break
+    assert actions(topic) == [("start", 1, "new version"), ("rollback", 1, "error")]
+    proof = orjson.loads(topic.published[-1].evidence_json)
+    assert proof["rewarded"] == {"stable": 0, "candidate": 0}
+    assert proof["guards"]["error"]["lower"] > 0.02
+
+
+async def test_a_candidate_an_engine_cannot_load_is_rolled_back(tmp_path: Path) -> None:
+    topic = Topic()
+    topic.events += [version(0), version(1)]
+    judge = await started(tmp_path, topic)
+    loaded = pb.PolicyLoaded(version=1, engine="engine-0", ok=True)
+    failed = pb.PolicyLoaded(version=1, engine="engine-1", ok=False, error="checksum mismatch")
+    await topic.deliver(judge, loaded, failed)
+    assert actions(topic) == [("start", 1, "new version"), ("rollback", 1, "load_failed")]
+    proof = orjson.loads(topic.published[-1].evidence_json)
+    assert proof == {"engine": "engine-1", "error": "checksum mismatch", "version": 1}
+    await topic.deliver(judge, version(2, base=0))  # the trainer rewound: 2 is a new candidate
+    assert actions(topic)[-1] == ("start", 2, "new version")
+
+
+async def test_a_redelivered_end_or_reward_is_counted_once(tmp_path: Path) -> None:
+    topic = Topic()
+    topic.events += [version(0), version(1)]
+    judge = await started(tmp_path, topic)
+    for _ in range(3):
+        await judge.on_finished(finished(7, "candidate", errors=1))
+        await judge.on_reward(rewarded(7, 1.0))
+    assert judge.canary is not None
+    sums = judge.canary.arms["candidate"]
+    assert (sums.sessions, sums.rewarded, sums.reward_sum, sums.failures["error"]) == (1, 1, 1.0, 1)
+
+
+async def test_sessions_of_another_or_no_candidate_are_not_counted(tmp_path: Path) -> None:
+    topic = Topic()
+    topic.events += [version(0), version(1), version(2)]
+    judge = await started(tmp_path, topic)
+    assert judge.state.candidate == 2
+    await judge.on_finished(finished(1, "candidate", canary=1))
+    await judge.on_finished(finished(2, "stable", canary=0))
+    await judge.on_reward(rewarded(1, 1.0))
+    await judge.on_reward(rewarded(2, 1.0))
+    assert judge.canary is not None
+    assert all(s.sessions == 0 for s in judge.canary.arms.values())
+
+
+async def script(directory: Path, *, restart: bool) -> tuple[Topic, CanaryJudge]:
+    """Sessions end and are rewarded; ten end with their rewards still pending, then (with
+    `restart`) the judge stops and a new one starts on the same store and topic; then the
+    rewards come, and every end and reward is delivered again."""
+    items = sessions({"stable": 0.8, "candidate": 0.3}, 400, seed=3)
+    topic = Topic()
+    topic.events += [version(0), version(1)]
+    judge = await started(directory, topic)
+    await feed(judge, topic, items[:30])
+    for i, arm, _ in items[30:40]:
+        await judge.on_finished(finished(i, arm))
+    if restart:
+        assert judge.canary is not None
+        before = judge.canary.to_json()
+        await judge.close()
+        judge = await started(directory, topic)
+        assert judge.canary is not None and judge.canary.to_json() == before
+    for i, _, value in items[30:40]:
+        await judge.on_reward(rewarded(i, value))
+        await topic.deliver(judge)
+    await feed(judge, topic, items[30:])
+    return topic, judge
+
+
+async def test_a_restart_resumes_from_the_store_and_the_topic_with_the_same_decisions(
+    tmp_path: Path,
+) -> None:
+    straight, _ = await script(tmp_path / "straight", restart=False)
+    topic, judge = await script(tmp_path / "restarted", restart=True)
+    assert actions(topic)[-1] == ("rollback", 1, "reward")
+    assert [(d.decision_id, d.evidence_json) for d in topic.published] == [
+        (d.decision_id, d.evidence_json) for d in straight.published
+    ]
+    assert await judge._call(CanaryStore.candidates) == []  # a decided candidate's rows go
+    await judge.close()
+    await judge.close()
+
+
+@pytest.mark.parametrize("arm", ["", "canary"])
+async def test_a_session_with_a_canary_but_no_arm_is_ignored(tmp_path: Path, arm: str) -> None:
+    topic = Topic()
+    topic.events += [version(0), version(1)]
+    judge = await started(tmp_path, topic)
+    await judge.on_finished(finished(1, arm))
+    assert judge.canary is not None
+    assert all(s.sessions == 0 for s in judge.canary.arms.values())
