@@ -21,6 +21,7 @@ from harnessrl.apps.cli import (
     events_cmd,
     experiment,
     feedback,
+    policy,
     sessions,
     submit,
     swe,
@@ -43,6 +44,7 @@ _TOOLS = (
     swe,
     feedback,
     sessions,
+    policy,
 )
 
 
