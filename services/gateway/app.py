@@ -19,7 +19,8 @@ is refused (403), anything else in it is ignored (SDKs always send some key). Er
 the shape of the API asked: Anthropic's for /v1/messages... and for requests that carry
 `anthropic-version` (every Anthropic SDK sends it), OpenAI's otherwise. Every request is
 one access-log line and one count of `harnessrl_gateway_requests{route,status}`, the route
-being its template (never the token), so a harness that hits a missing route shows.
+being its template (never the token), so a harness that hits a missing route shows; a
+production session's call logs its canary arm and version too.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from harnessrl.services.gateway.models import Models
 from harnessrl.services.gateway.open_episodes import EpisodeClosedError
 from harnessrl.services.gateway.openapi import document_bytes
 from harnessrl.services.gateway.production_sessions import ProductionSessions, SessionEndedError
+from harnessrl.services.gateway.session_arms import SessionCalls
 from harnessrl.services.gateway.session_owners import NotOwnerError, SessionOwners
 from harnessrl.trust.contract import CHAT_PATH, engine_request
 
@@ -133,13 +135,16 @@ class GatewayApp:
         started = time.perf_counter()
         path = request.path
         episode: list[str] = []  # filled once the request is authorized
+        arm: dict[str, object] = {}  # a session's arm and version, once it is known
         if path.startswith("/e/"):
             token, _, rest = path[3:].partition("/")
             route = "/" + rest
             response = await self._api(request, route, token, episode, path_token=True)
         elif path.startswith(("/s/", "/k/")) and self._sessions is not None:
             route, session, kind = _session_path(path)
-            response = await self._session_api(request, route, session, kind, episode, in_path=True)
+            response = await self._session_api(
+                request, route, session, kind, episode, arm=arm, in_path=True
+            )
         elif path.startswith("/v1/"):
             route = path
             key = _api_key(request) or ""
@@ -149,7 +154,7 @@ class GatewayApp:
             ):
                 kind = request.headers.get(KIND_HEADER, "")
                 response = await self._session_api(
-                    request, route, named, kind, episode, in_path=False
+                    request, route, named, kind, episode, arm=arm, in_path=False
                 )
             else:
                 response = await self._api(request, route, key, episode)
@@ -177,6 +182,7 @@ class GatewayApp:
             ms=round((time.perf_counter() - started) * 1000, 3),
             episode_id=episode[0] if episode else None,
             stream=isinstance(response, StreamingResponse),
+            **arm,
         )
         return response
 
@@ -203,11 +209,16 @@ class GatewayApp:
         return await self._serve(request, route, claims, shape)
 
     async def _serve(
-        self, request: Request, route: str, claims: EpisodeClaims, shape: ErrorShape
+        self,
+        request: Request,
+        route: str,
+        claims: EpisodeClaims,
+        shape: ErrorShape,
+        session: SessionCalls | None = None,
     ) -> Response | StreamingResponse:
         """The authorized request, its refusals in the API's own shape."""
         try:
-            return await self._route(request, route, claims, shape)
+            return await self._route(request, route, claims, shape, session)
         except GatewayError as err:
             return render(shape, err)
         except EpisodeClosedError as err:
@@ -228,9 +239,11 @@ class GatewayApp:
         kind: str,
         episode: list[str],
         *,
+        arm: dict[str, object],
         in_path: bool,
     ) -> Response | StreamingResponse:
-        """A production app's call (production_sessions.py): its app key, its session."""
+        """A production app's call (production_sessions.py): its app key, its session
+        (`arm` gets its arm and version for the access log)."""
         assert self._sessions is not None
         anthropic = route.startswith("/v1/messages") or "anthropic-version" in request.headers
         shape: ErrorShape = ANTHROPIC if anthropic else OPENAI
@@ -270,7 +283,10 @@ class GatewayApp:
             no_retry = [("x-should-retry", "false")]
             return render(shape, GatewayError(409, str(err), SESSION_HEADER, headers=no_retry))
         episode.append(claims.episode_id)
-        response = await self._serve(request, route, claims, shape)
+        calls = self._sessions.calls(claims)
+        if calls is not None and calls.version is not None:
+            arm.update(arm=calls.arm, policy_version=calls.version)
+        response = await self._serve(request, route, claims, shape, calls)
         if request.headers.get(END_HEADER, "").lower() in ("1", "true", "yes"):
             self._sessions.end_after_call(claims)
         return response
@@ -335,7 +351,12 @@ class GatewayApp:
         )
 
     async def _route(
-        self, request: Request, route: str, claims: EpisodeClaims, shape: ErrorShape
+        self,
+        request: Request,
+        route: str,
+        claims: EpisodeClaims,
+        shape: ErrorShape,
+        session: SessionCalls | None = None,
     ) -> Response | StreamingResponse:
         method = request.method
         if route == "/v1/models" or route.startswith("/v1/models/"):
@@ -351,7 +372,7 @@ class GatewayApp:
         body = self._body(request)
         if dialect is None:
             return await self._count_tokens(claims, body)
-        return await self._life.serve(dialect, claims, request, body)
+        return await self._life.serve(dialect, claims, request, body, session)
 
     def _body(self, request: Request) -> dict[str, Any]:
         try:

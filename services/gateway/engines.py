@@ -2,15 +2,17 @@
 
 An episode sticks to one engine for the engine's prefix cache: engines are ranked per
 episode by rendezvous hashing, so adding or removing an engine moves only the episodes that
-ranked it first. A transient failure before any response (connection refused, a timeout
-while connecting, 502/503/504) moves the call down the episode's ranking after a short
-backoff; anything else is the caller's to answer.
+ranked it first. A call that needs one policy version (a production session's, in a canary
+rollout) is ranked among the engines serving it only (`among`): the same order with the
+others left out, so it too sticks to one engine. A transient failure before any response
+(connection refused, a timeout while connecting, 502/503/504) moves the call down the
+episode's ranking after a short backoff; anything else is the caller's to answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -42,19 +44,28 @@ class EnginePool:
         self._attempts = attempts
         self._backoff = Backoff(0.05, 1.0)
 
-    def ranking(self, episode_id: str) -> list[int]:
-        """Engine indexes in the order this episode tries them."""
-        return ranking(episode_id, self.urls)
+    def ranking(self, episode_id: str, among: Collection[str] | None = None) -> list[int]:
+        """Engine indexes in the order this episode tries them; with `among`, only the
+        engines whose URL it holds (compared without a trailing slash)."""
+        order = ranking(episode_id, self.urls)
+        if among is None:
+            return order
+        return [i for i in order if self.urls[i].rstrip("/") in among]
 
     async def request(
-        self, episode_id: str, path: str, body: bytes | Callable[[str], bytes]
+        self,
+        episode_id: str,
+        path: str,
+        body: bytes | Callable[[str], bytes],
+        among: Collection[str] | None = None,
     ) -> tuple[str, ClientResponse]:
         """(engine URL, response) of a POST of `body` (or of `body(engine URL)`, a body per
-        engine); transient failures are retried. A response with a non-retryable status is
-        returned as it is. Raises UpstreamError."""
+        engine) to one of the engines (`among` them, when given: not empty); transient
+        failures are retried. A response with a non-retryable status is returned as it is.
+        Raises UpstreamError."""
         last: str = "no engine answered"
         delays = self._backoff.delays()
-        ranking = self.ranking(episode_id)
+        ranking = self._ranked(episode_id, among)
         for attempt in range(self._attempts):
             index = ranking[attempt % len(ranking)]
             try:
@@ -75,13 +86,17 @@ class EnginePool:
 
     @asynccontextmanager
     async def stream(
-        self, episode_id: str, path: str, body: bytes | Callable[[str], bytes]
+        self,
+        episode_id: str,
+        path: str,
+        body: bytes | Callable[[str], bytes],
+        among: Collection[str] | None = None,
     ) -> AsyncIterator[tuple[str, Any]]:
         """(engine URL, streaming response) of a POST; retried like request() until an
         engine answers, never after (bytes may have reached the harness by then)."""
         last: str = "no engine answered"
         delays = self._backoff.delays()
-        ranking = self.ranking(episode_id)
+        ranking = self._ranked(episode_id, among)
         for attempt in range(self._attempts):
             index = ranking[attempt % len(ranking)]
             payload = _for(body, self.urls[index])
@@ -107,6 +122,12 @@ class EnginePool:
             log.warning("engine call failed; retrying", attempt=attempt + 1, error=last)
             await asyncio.sleep(next(delays))
         raise UpstreamError(504 if "Timeout" in last else 502, f"engine unavailable: {last}")
+
+    def _ranked(self, episode_id: str, among: Collection[str] | None) -> list[int]:
+        order = self.ranking(episode_id, among)
+        if not order:
+            raise ValueError("among: names none of the configured engines")
+        return order
 
     async def get(self, path: str) -> ClientResponse:
         """GET from the first engine (model listing)."""

@@ -7,7 +7,9 @@
 2. admission: the recovery and pause gates, then the episode book (a closed episode is a
    409: a refused call captures nothing);
 3. the completion budget is fitted to the engine's context (services/gateway/budget.py);
-4. the call goes to the episode's engine under the inference contract (contract.py);
+4. the call goes to the episode's engine under the inference contract (contract.py); a
+   production session's call in a canary rollout goes only to engines serving its version
+   (session_arms.py), and its answer is counted in the session's guard stats;
 5. only a call that the engine completed is captured: one ModelCall per choice with the
    next sequence numbers of its episode, written to the producer (and its WAL) before the
    harness gets the answer's last byte; a stream is captured only when it ran to its
@@ -33,14 +35,17 @@ from harnessrl.episode_token import EpisodeClaims
 from harnessrl.http import Request, Response, SseDecoder, StreamingResponse
 from harnessrl.http.errors import ConnectionClosedError
 from harnessrl.logs import get_logger
+from harnessrl.rollout import RolloutState
 from harnessrl.services.gateway.budget import Budget
 from harnessrl.services.gateway.config import GatewaySection
 from harnessrl.services.gateway.control import Gate
 from harnessrl.services.gateway.dialects.base import Dialect, EngineCall
-from harnessrl.services.gateway.engines import EnginePool
-from harnessrl.services.gateway.errors import render_engine, respond
+from harnessrl.services.gateway.engines import EnginePool, UpstreamError
+from harnessrl.services.gateway.errors import GatewayError, render_engine, respond
 from harnessrl.services.gateway.metrics import GatewayMetrics
 from harnessrl.services.gateway.open_episodes import EpisodeBook, OpenEpisode
+from harnessrl.services.gateway.session_arms import SessionCalls, route
+from harnessrl.services.gateway.tool_markup import Answer, ChatParts, chat_answer
 from harnessrl.services.gateway.versions import EngineVersions
 from harnessrl.telemetry import extract_context, span_ids
 from harnessrl.trust.capture import (
@@ -87,11 +92,20 @@ class CallAdmission:
 class Engines:
     """The engines' side of a call: which one serves it, under what name and version."""
 
-    def __init__(self, pool: EnginePool, *, model: str, versions: EngineVersions) -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        *,
+        model: str,
+        versions: EngineVersions,
+        rollout: RolloutState | None = None,
+    ) -> None:
         self.pool = pool
         self.model = model
         """The model name the engines are asked for."""
         self.versions = versions
+        self.rollout = rollout if rollout is not None else RolloutState()
+        """The canary rollout, for the versions production sessions were assigned."""
 
 
 class Lifecycle:
@@ -117,13 +131,19 @@ class Lifecycle:
         self.tracer = tracer
 
     async def serve(
-        self, dialect: Dialect, claims: EpisodeClaims, request: Request, body: dict[str, Any]
+        self,
+        dialect: Dialect,
+        claims: EpisodeClaims,
+        request: Request,
+        body: dict[str, Any],
+        session: SessionCalls | None = None,
     ) -> Response | StreamingResponse:
-        """Answer one harness request. Raises GatewayError (refused), Paused,
-        EpisodeClosedError, UpstreamError (no engine answered): the caller renders them
-        in the dialect's shape."""
+        """Answer one harness request (of a production session: `session`, which routes
+        it and counts it). Raises GatewayError (refused; 503 while no engine serves the
+        session's version), Paused, EpisodeClosedError, UpstreamError (no engine
+        answered): the caller renders them in the dialect's shape."""
         call = dialect.translate(body, claims)
-        run = _CallRun(self, dialect, claims, call, request)
+        run = _CallRun(self, dialect, claims, call, request, session=session)
         await run.start()
         try:
             if call.stream:
@@ -170,8 +190,14 @@ class _CallRun:
         claims: EpisodeClaims,
         call: EngineCall,
         request: Request,
+        *,
+        session: SessionCalls | None = None,
     ) -> None:
         self._life = life
+        self._session = session
+        self._among: frozenset[str] | None = None
+        """The engines that may serve this call (None: any)."""
+        self._answer: Answer | None = None
         self._dialect = dialect
         self._claims = claims
         self._call = call
@@ -221,8 +247,11 @@ class _CallRun:
             otel_context.detach(self._token)  # type: ignore[arg-type]  # attach's token
         if self._episode is not None:
             life.admission.book.end(self._episode)
+        seconds = time.perf_counter() - self._started
         life.metrics.calls(self._dialect.kind, self.outcome).inc()
-        life.metrics.latency(self._dialect.kind).observe(time.perf_counter() - self._started)
+        life.metrics.latency(self._dialect.kind).observe(seconds)
+        if self._session is not None:
+            self._session.record(_status(self.outcome, err), seconds * 1000, self._answer)
 
     async def _encoded(self) -> bytes:
         """The engine request's bytes, its budget fitted to the context."""
@@ -237,9 +266,12 @@ class _CallRun:
 
     def _per_engine(self, body: bytes) -> Callable[[str], bytes]:
         """Take the engines' versions as of now; the body for each engine names the model
-        its version is served under, when it reported one (a LoRA adapter in vLLM)."""
+        its version is served under, when it reported one (a LoRA adapter in vLLM). A
+        session with a version is sent only to engines serving it, under its name there."""
         versions = self._life.engines.versions
         self._versions, models = versions.snapshot(), versions.models()
+        if self._session is not None and self._session.version is not None:
+            models = self._route(self._session)
 
         def body_for(engine: str) -> bytes:
             model = models.get(engine)
@@ -251,15 +283,41 @@ class _CallRun:
 
         return body_for
 
+    def _route(self, session: SessionCalls) -> Mapping[str, str]:
+        """Engine -> model name for the session's version (session_arms.route); a retired
+        version served nowhere is given up for stable, once, loudly."""
+        life = self._life
+        assert session.version is not None
+        chosen = route(
+            session.version,
+            life.engines.versions.serving(),
+            life.engines.rollout.state,
+            retry_after_s=life.settings.pause_retry_after_s,
+        )
+        if chosen.switched_from is not None:
+            session.version = chosen.version
+            life.metrics.version_switches.inc()
+            log.warning(
+                "session version retired and served nowhere; the session is served from "
+                "stable from now on",
+                episode_id=self._claims.episode_id,
+                version=chosen.switched_from,
+                stable=chosen.version,
+            )
+        self._among = frozenset(chosen.engines)
+        self._versions = {engine: chosen.version for engine in chosen.engines}
+        return chosen.engines
+
     async def complete(self) -> Response:
         body = self._per_engine(await self._encoded())
         engine, response = await self._life.engines.pool.request(
-            self._claims.episode_id, self._call.path, body
+            self._claims.episode_id, self._call.path, body, self._among
         )
         if response.status != 200:
             self.outcome = f"engine_{response.status}"
             return render_engine(self._dialect.errors, response.status, response.body)
         data = orjson.loads(response.body)
+        self._answer = chat_answer(data)
         completions: dict[int, Completion] = {}
         take(data, self._call.path == CHAT_PATH, completions)
         self._capture(
@@ -278,7 +336,9 @@ class _CallRun:
         stack = AsyncExitStack()
         try:
             engine, response = await stack.enter_async_context(
-                self._life.engines.pool.stream(self._claims.episode_id, self._call.path, body)
+                self._life.engines.pool.stream(
+                    self._claims.episode_id, self._call.path, body, self._among
+                )
             )
             if response.status != 200:
                 self.outcome = f"engine_{response.status}"
@@ -302,6 +362,7 @@ class _CallRun:
         keep = self._life.settings.capture_bodies
         sent: list[bytes] = []
         decoder = SseDecoder()
+        parts = ChatParts()
         engine_id = ""
         try:
             while data := await response.read_chunk():
@@ -317,8 +378,10 @@ class _CallRun:
                     if keep:
                         sent.append(payload)
                     engine_id = engine_id or str(chunk.get("id") or "")
+                    parts.add_body(chunk)
                     out.append(renderer.feed(chunk))
                 if capture.finished:
+                    self._answer = parts.answer()
                     self._capture(
                         capture.completions,
                         engine,
@@ -398,3 +461,19 @@ class _CallRun:
                 }
             )
         self.outcome = "ok"
+
+
+def _status(outcome: str, err: BaseException | None) -> int:
+    """The HTTP status a call was answered with, for a session's guard stats: an engine's
+    failure mid-stream counts as a 502, a harness that left as 499 (no failure)."""
+    if isinstance(err, (GatewayError, UpstreamError)):
+        return err.status
+    if outcome == "ok":
+        return 200
+    if outcome.startswith("engine_") and outcome[7:].isdigit():
+        return int(outcome[7:])
+    if outcome in ("engine_error", "engine_cut"):
+        return 502
+    if outcome == "aborted" or (err is not None and not isinstance(err, Exception)):
+        return 499
+    return 500

@@ -94,6 +94,20 @@ class GatewayMetrics:
                 registry=r,
             )
         )
+        self.sessions_assigned = Labelled(
+            Counter(
+                "harnessrl_gateway_sessions_assigned",
+                "Production sessions assigned an arm of a canary rollout (stable | candidate).",
+                ["arm"],
+                registry=r,
+            )
+        )
+        self.version_switches = Counter(
+            "harnessrl_gateway_session_version_switches",
+            "Production sessions served from stable because their version was rolled back "
+            "and no engine serves it any more (never in normal operation).",
+            registry=r,
+        )
         self.sessions_open = Gauge(
             "harnessrl_gateway_sessions_open",
             "Production sessions open on this replica.",

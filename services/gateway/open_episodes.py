@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from harnessrl.episode_token import EpisodeClaims
+from harnessrl.v1 import events_pb2 as pb
 
 Key = tuple[str, int]  # (episode id, attempt)
 
@@ -58,6 +59,13 @@ class Restored:
     """call_count of its EpisodeClosed, if it was closed."""
     reason: str = ""
     """The reason of its EpisodeClosed, if it was closed."""
+    version: int | None = None
+    """The policy version of its first captured call (seq 0), if hrl.calls still has it."""
+    latencies_ms: tuple[float, ...] = ()
+    """Latency of each of its captured calls (one per call, whatever its choices)."""
+    session: pb.SessionInfo | None = None
+    """The SessionInfo of its EpisodeStarted, for a production session whose EpisodeStarted
+    this replica published (hrl.episodes)."""
 
 
 class EpisodeBook:

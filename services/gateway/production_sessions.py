@@ -17,6 +17,16 @@ mode (sampling the trainer can recompute), the rest in val mode, exactly as the 
 
 After a restart, the book learns from hrl.calls which sessions were open (`restore`), so
 they still end when idle; one whose calls all predate the restart ends `idle_s` after it.
+
+With `production.canary.enabled`, a session's first call also assigns it an arm of the
+rollout (`RolloutState.assign`: the candidate only while some engine serves it) and the
+version that arm serves; EpisodeStarted and EpisodeFinished carry them (`SessionInfo.arm`,
+`policy_version`, `canary`) and every call of the session asks for that version
+(session_arms.py). A restarted replica takes each open session's assignment back from its
+EpisodeStarted (else from its first captured call's version), so no session changes
+version. The replica counts each session's calls for the canary's guards and publishes the
+counts in EpisodeFinished (`SessionInfo.stats`); after a restart, the captured calls are
+counted again from hrl.calls (the failures answered before it are lost).
 """
 
 from __future__ import annotations
@@ -41,9 +51,11 @@ from harnessrl.production import (
     session_group,
     session_traceparent,
 )
+from harnessrl.rollout import RolloutState
 from harnessrl.services.gateway.errors import GatewayError
 from harnessrl.services.gateway.metrics import GatewayMetrics
 from harnessrl.services.gateway.open_episodes import EpisodeBook, Key, Restored
+from harnessrl.services.gateway.session_arms import SessionCalls
 from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)
@@ -58,6 +70,7 @@ class _Session:
     ending: asyncio.Task[int] | None = None
     end_after_call: bool = False
     deliveries: list[asyncio.Future[object]] = field(default_factory=list)
+    calls: SessionCalls = field(default_factory=SessionCalls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +123,14 @@ class ProductionSessions:
         metrics: GatewayMetrics,
         replica: str = "",
         clock: Callable[[], float] = time.monotonic,
+        rollout: RolloutState | None = None,
+        served: Callable[[int], bool] = lambda _: False,
     ) -> None:
+        """`rollout` (the fold of hrl.policy) and `served` (whether some engine serves a
+        version now) assign arms when `production.canary.enabled`."""
         self.apps = Apps(production.apps)
+        self._rollout = rollout if production.canary.enabled else None
+        self._served = served
         self._settings = production
         self._book = book
         self._producer = producer
@@ -147,6 +166,7 @@ class ProductionSessions:
                     headers=[("retry-after", "5")],
                 )
             session = self._open[group] = self._new(app, session_id, kind)
+            self._assign(session)
             self._started(session)
         elif session.ending is not None:
             raise SessionEndedError(f"session {session_id!r} is ending")
@@ -169,6 +189,26 @@ class ProductionSessions:
         )
         info = pb.SessionInfo(app=app.name, session_id=session_id, kind=kind, explored=chosen)
         return _Session(claims, info, self._clock())
+
+    def calls(self, claims: EpisodeClaims) -> SessionCalls | None:
+        """The open session's routing and guard stats (None when it is not open here)."""
+        session = self._open.get(claims.group_id)
+        return session.calls if session is not None else None
+
+    def _assign(self, session: _Session) -> None:
+        """With a rollout: the new session's arm and version (none before the trainer
+        announced any version: then it is served as without a rollout)."""
+        if self._rollout is None:
+            return
+        chosen = self._rollout.assign(session.claims.group_id, self._served)
+        if chosen is None:
+            log.warning("session not assigned: no policy version announced yet")
+            return
+        info = session.info
+        info.arm, info.policy_version = chosen
+        info.canary = self._rollout.state.candidate or 0
+        session.calls.version, session.calls.arm = info.policy_version, info.arm
+        self._metrics.sessions_assigned(info.arm).inc()
 
     def _started(self, session: _Session) -> None:
         claims, info = session.claims, session.info
@@ -194,6 +234,8 @@ class ProductionSessions:
             session_id=info.session_id,
             kind=info.kind,
             explored=info.explored,
+            arm=info.arm or None,
+            policy_version=info.policy_version if info.arm else None,
             trace_id=started.trace_id,
         )
 
@@ -238,6 +280,7 @@ class ProductionSessions:
             await asyncio.gather(*session.deliveries)
             count = await self._close(claims, f"{CLOSE_REASON}{ended_by}")
             info.ended_by = ended_by
+            info.stats.CopyFrom(session.calls.stats)
             await self._producer.publish(_finished(claims, info))
         except BaseException:
             session.ending = None  # the sweep tries again
@@ -296,8 +339,9 @@ class ProductionSessions:
         return started
 
     def restore(self, state: Mapping[Key, Restored]) -> int:
-        """Sessions hrl.calls says were open on this replica: tracked again so they end
-        when idle. Returns how many."""
+        """Sessions hrl.calls (and hrl.episodes' EpisodeStarted) say were open on this
+        replica: tracked again, with their arm, version and captured calls' counts, so they
+        keep their version and end when idle. Returns how many."""
         restored = 0
         for (episode_id, _), where in state.items():
             parsed = parse_session_group(episode_id)
@@ -312,13 +356,30 @@ class ProductionSessions:
                 ended_by = where.reason.removeprefix(CLOSE_REASON) or "end"
                 self._ended[episode_id] = Ended(ended_by, where.closed_count)
                 gone = self._new(app, parsed[1], "")
+                self._resume(gone, where)
                 gone.info.ended_by = ended_by
                 delivery = self._producer.publish(_finished(gone.claims, gone.info))
                 delivery.add_done_callback(_logged)
                 continue
-            self._open[episode_id] = self._new(app, parsed[1], "")
+            session = self._open[episode_id] = self._new(app, parsed[1], "")
+            self._resume(session, where)
             restored += 1
         return restored
+
+    def _resume(self, session: _Session, where: Restored) -> None:
+        """A restored session's assignment and guard counts, as the topics tell them."""
+        info = session.info
+        if where.session is not None:
+            info.CopyFrom(where.session)
+        if info.arm:
+            session.calls.version, session.calls.arm = info.policy_version, info.arm
+        elif where.session is None and self._rollout is not None and where.version is not None:
+            session.calls.version = where.version  # its first captured call's
+        stats = session.calls.stats
+        stats.calls = len(where.latencies_ms)
+        stats.latency_ms_sum = sum(where.latencies_ms)
+        stats.latency_ms_max = max(where.latencies_ms, default=0.0)
+        stats.answered = bool(where.latencies_ms)
 
     async def aclose(self) -> None:
         """Wait for the ends in progress (the service stops)."""

@@ -15,6 +15,7 @@ from harnessrl.bus.snapshot import read_to_end
 from harnessrl.http import HttpServer, Response
 from harnessrl.logs import get_logger
 from harnessrl.retry import Backoff, retry
+from harnessrl.rollout import RolloutState, describe
 from harnessrl.runtime import Runtime
 from harnessrl.service_bus import EventHandler, ServiceBus, Subscription
 from harnessrl.services.gateway.admin import Admin
@@ -71,6 +72,10 @@ class GatewayService:
             status=503,
         )
         self.versions = EngineVersions()
+        self.rollout = RolloutState()
+        """The canary rollout's state, folded from hrl.policy (harnessrl.rollout)."""
+        self._policy_read = asyncio.Event()
+        """Set once hrl.policy was read to its end at start."""
         self.responses = ResponseStore(section.responses_store_max)
         """The responses episodes stored (Responses API `store`)."""
         self._closers: list[Any] = []
@@ -110,6 +115,8 @@ class GatewayService:
                     close=admin.close,
                     metrics=metrics,
                     replica=section.replica,
+                    rollout=self.rollout,
+                    served=self.versions.serves,
                 )
                 metrics.sessions_open.set_function(lambda: len(self.sessions or ()))
             app = self._app(lifecycle, admin, engine_model, listing, metrics)
@@ -154,7 +161,7 @@ class GatewayService:
         return Lifecycle(
             section,
             admission=CallAdmission(self.book, self.gate, self.recovery),
-            engines=Engines(pool, model=engine_model, versions=self.versions),
+            engines=Engines(pool, model=engine_model, versions=self.versions, rollout=self.rollout),
             budget=Budget(pool, policy=section.max_tokens_policy, context=context, metrics=metrics),
             producer=self._bus.producer,
             metrics=metrics,
@@ -247,14 +254,19 @@ class GatewayService:
         recovering = asyncio.create_task(self._recover(), name="recover")
         self._tasks.append(recovering)
         self._background(self._sweep(admin), "sweep")
-        handlers: dict[type[Any], EventHandler] = {pb.PolicyLoaded: self._on_loaded}
+        handlers: dict[type[Any], EventHandler] = {
+            pb.PolicyLoaded: self._on_loaded,
+            pb.PolicyVersion: self._on_version,
+            pb.RolloutDecision: self._on_decision,
+        }
         if self.sessions is not None:
             handlers[pb.SessionDeleted] = self._on_deleted
         if self._config.gateway.follow_control:
             handlers[pb.ControlCommand] = self._on_command
         group = f"harnessrl.gateway.{self._config.instance}"
-        # hrl.policy is followed once the engines' versions are read back from all of it,
-        # so that a restarted gateway knows what each engine serves.
+        # hrl.policy is followed once the engines' versions and the rollout are read back
+        # from all of it, so that a restarted gateway knows what each engine serves and
+        # which versions serve sessions.
         self._bus.consume(stack, Subscription(group, handlers), before=self._rebuild_versions)
         return recovering
 
@@ -328,8 +340,11 @@ class GatewayService:
             window_s=self._config.gateway.recovery_window_s,
             client_id=f"{self._runtime.producer_name}/recover",
             replica=self._config.gateway.replica,
+            sessions=self.sessions is not None,
         )
         if self.sessions is not None:
+            if self._config.production.canary.enabled:
+                await self._policy_read.wait()  # sessions are assigned from the rollout
             log.info("sessions recovered", open=self.sessions.restore(state))
         self.book.restore(state)
         self.recovery.resume()
@@ -364,13 +379,35 @@ class GatewayService:
             ):
                 if isinstance(event, pb.PolicyLoaded):
                     self.versions.loaded(event)
+                elif isinstance(event, pb.PolicyVersion):
+                    self.rollout.announced(event)
+                elif isinstance(event, pb.RolloutDecision):
+                    self.rollout.decided(event)
 
         await retry(read, backoff=Backoff(0.5, 5.0), max_attempts=10**6)
-        log.info("engine versions read", versions=dict(self.versions.snapshot()))
+        self._policy_read.set()
+        log.info(
+            "engine versions read",
+            versions=dict(self.versions.snapshot()),
+            rollout=describe(self.rollout.state),
+        )
 
     async def _on_loaded(self, event: pb.PolicyLoaded, ctx: Context) -> None:
         if self.versions.loaded(event):
             log.info("engine version loaded", engine=event.engine, version=event.version)
+
+    async def _on_version(self, event: pb.PolicyVersion, ctx: Context) -> None:
+        self.rollout.announced(event)
+
+    async def _on_decision(self, event: pb.RolloutDecision, ctx: Context) -> None:
+        refused = self.rollout.decided(event)
+        log.info(
+            "rollout decision",
+            decision_id=event.decision_id,
+            actor=event.actor,
+            refused=refused,
+            rollout=describe(self.rollout.state),
+        )
 
     async def _on_deleted(self, event: pb.SessionDeleted, ctx: Context) -> None:
         """An app deleted a production session: ended if open here, its stored responses
