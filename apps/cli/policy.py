@@ -193,6 +193,10 @@ def _n(value: Any) -> str:
     return "-" if isinstance(value, float) and not math.isfinite(value) else f"{value:.4g}"
 
 
+def _v(version: int | None) -> str:
+    return "none" if version is None else f"v{version}"
+
+
 def _interval(value: dict[str, Any]) -> str:
     low, high = value.get("lower"), value.get("upper")
     return f"{_n(value.get('estimate'))} in [{_n(low)}, {_n(high)}]"
@@ -231,7 +235,7 @@ def status_json(book: RolloutBook, last: int) -> dict[str, Any]:
                 "refused": refused,
                 "evidence": evidence(d.evidence_json),
             }
-            for d, refused in book.decisions[len(book.decisions) - last :]
+            for d, refused in book.decisions[max(0, len(book.decisions) - last) :]
         ],
     }
 
@@ -251,7 +255,7 @@ def render(book: RolloutBook, last: int) -> str:
         f"stable       v{state.stable}"
         + ("  (pinned: no candidate starts until unpin)" if state.pinned else ""),
         f"candidate    {candidate}",
-        f"current      v{state.current()}  (the trainer's newest version not rolled back)",
+        f"current      {_v(state.current())}  (the trainer's newest version not rolled back)",
         f"rolled back  {rolled_back}",
         "",
         "engines:" if book.engines else "engines: none has reported a load",
@@ -261,7 +265,7 @@ def render(book: RolloutBook, last: int) -> str:
         served = ", ".join(f"v{v} ({m})" if m else f"v{v}" for v, m in engine.serving) or "-"
         failed = f"; last load failed: {engine.failed}" if engine.failed else ""
         out.append(f"  {name.ljust(width)}  {served}{failed}")
-    shown = book.decisions[len(book.decisions) - last :]
+    shown = book.decisions[max(0, len(book.decisions) - last) :]
     out += [
         "",
         f"decisions (last {len(shown)} of {len(book.decisions)}):" if shown else "decisions: none",

@@ -179,8 +179,7 @@ class RolloutState:
     def __init__(self) -> None:
         self.state = Rollout()
         self._outcomes: dict[str, str | None] = {}
-        """decision_id -> None (applied) or the refusal: a copy of a decision (the producer
-        delivers at least once) gets its first outcome, wherever it lands later."""
+        """decision_id -> None once applied, else its latest refusal."""
 
     def announced(self, event: pb.PolicyVersion) -> None:
         state = self.state
@@ -202,21 +201,24 @@ class RolloutState:
         )
 
     def decided(self, decision: pb.RolloutDecision) -> str | None:
-        """Apply `decision`; returns None when it applied, else the reason every service
-        refuses it for. A decision id seen before gets the outcome it got then and changes
-        nothing: a refused decision stays refused even when a later state would admit it."""
-        if decision.decision_id in self._outcomes:
-            return self._outcomes[decision.decision_id]
+        """Apply `decision`; returns None when it applied (or was applied before: a copy
+        changes nothing), else the reason every service refuses it for. A refused decision
+        published again is judged again where it lands (the judge's deterministic ids,
+        `canary/<version>/<action>`, rely on that to retry)."""
+        decision_id = decision.decision_id
+        if decision_id in self._outcomes and self._outcomes[decision_id] is None:
+            return None
         reason = refusal(self.state, decision)
-        if decision.decision_id:  # without an id it is refused, and nothing names it
-            self._outcomes[decision.decision_id] = reason
+        if decision_id:  # without an id it is refused, and nothing names it
+            self._outcomes[decision_id] = reason
         if reason is None:
             self.state = _apply(self.state, decision)
         return reason
 
     def outcome(self, decision_id: str) -> tuple[bool, str | None]:
         """(seen, refusal) of a decision id: (False, None) before it was folded, (True, None)
-        once applied, (True, reason) once refused (`harnessrl policy` waits on it)."""
+        once applied, (True, reason) when its latest copy was refused (`harnessrl policy`
+        waits on it)."""
         if decision_id not in self._outcomes:
             return False, None
         return True, self._outcomes[decision_id]

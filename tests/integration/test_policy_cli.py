@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 from google.protobuf.message import Message
 
@@ -21,7 +19,7 @@ from harnessrl.broker import EmbeddedBroker
 from harnessrl.bus import Producer
 from harnessrl.bus.snapshot import read_to_end
 from harnessrl.config import KafkaSettings, ProducerSettings
-from harnessrl.trust.canary import Canary, CanaryConfig, GuardRule
+from harnessrl.trust.canary import Canary, CanaryConfig, GuardRule, evidence
 from harnessrl.v1 import events_pb2 as pb
 
 pytestmark = pytest.mark.integration
@@ -33,8 +31,8 @@ PROMOTE_NONE = "harnessrl policy promote: no candidate is pending; name the VERS
 
 
 def judged_rollback() -> pb.RolloutDecision:
-    """The judge's rollback of candidate 1 on the error guard, its evidence as the rule
-    reports it (CanaryDecision as JSON)."""
+    """The judge's rollback of candidate 1 on the error guard, its evidence as the judge
+    writes it (trust/canary's `evidence`)."""
     canary = Canary(CanaryConfig(min_sessions=20, guards={"error": GuardRule()}))
     for n in range(200):
         canary.observe("stable", 1.0, {"error": False})
@@ -48,7 +46,7 @@ def judged_rollback() -> pb.RolloutDecision:
         stable=0,
         actor="canary",
         reason=verdict.reason,
-        evidence_json=orjson.dumps(asdict(verdict)).decode(),
+        evidence_json=evidence(verdict).decode(),
     )
 
 

@@ -125,6 +125,7 @@ def test_start_is_refused_when_it_cannot_apply(
     for earlier in setup:
         apply(fold, earlier)
     before = fold.state
+    assert refusal(before, event) == reason  # what the CLI and the judge check first
     assert fold.decided(event) == reason
     assert fold.state == before and fold.state.last is before.last  # nothing changed
 
@@ -282,27 +283,28 @@ def test_a_decision_made_against_another_stable_is_refused() -> None:
     assert fold.state.candidate is None
 
 
-def test_a_decision_applies_once_and_a_refused_one_stays_refused() -> None:
+def test_a_decision_applies_once_and_a_refused_one_is_judged_again_where_it_lands() -> None:
     fold = folded(0, 1, 2)
-    start = decision(START, 2, 0, share=0.1, decision_id="d-start")
+    start = decision(START, 2, 0, share=0.1, decision_id="canary/2/start")
     apply(fold, start)
-    assert fold.outcome("d-start") == (True, None)
+    assert fold.outcome("canary/2/start") == (True, None)
     assert fold.decided(start) is None  # a copy (at-least-once delivery) changes nothing
     apply(fold, decision(PROMOTE, 2, 0))
     assert fold.decided(start) is None and fold.state.candidate is None
-    # A promotion made against stable 0 lands after another promotion (refused); stable is
-    # 0 again after a rollback, and a copy of it landing then must not apply it late.
+    # The judge's START lands just after an operator's pin and is refused; after the unpin
+    # it publishes the same id again, which then applies.
     fold2 = folded(0, 1, 2)
-    fold2.announced(version(3, base=0))  # not trained from 2: a rollback of 2 leaves it
-    apply(fold2, decision(PROMOTE, 2, 0, actor="operator:a"))
-    late = decision(PROMOTE, 3, 0, actor="operator:a", decision_id="d-late")
-    assert fold2.decided(late) == "stable: the decision was made against version 0, but 2 is stable"
-    apply(fold2, decision(ROLLBACK, 2, 2, actor="operator:a"))
-    assert fold2.state.stable == 0
-    assert refusal(fold2.state, late) is None  # on its own it would apply now...
-    assert "made against version 0" in str(fold2.decided(late))
-    assert fold2.state.stable == 0  # ...but a copy keeps its first outcome
-    assert fold2.outcome("d-late")[0] is True
+    apply(fold2, decision(PIN, 0, 0, actor="operator:a"))
+    retry = decision(START, 2, 0, share=0.1, decision_id="canary/2/start")
+    assert fold2.decided(retry) == "version: stable version 0 is pinned; unpin first"
+    assert fold2.outcome("canary/2/start") == (
+        True,
+        "version: stable version 0 is pinned; unpin first",
+    )
+    apply(fold2, decision(UNPIN, 0, 0, actor="operator:a"))
+    apply(fold2, retry)
+    assert fold2.state.candidate == 2
+    assert fold2.outcome("canary/2/start") == (True, None)
     assert fold2.outcome("never-seen") == (False, None)
 
 
