@@ -339,7 +339,14 @@ class Engine:
     # -- the loop ----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Serve until stop(); cancelled with the service."""
+        """Serve until stop(); cancelled with the service. The adapters' hooks leave the
+        model with the loop (the model computes its base weights again)."""
+        try:
+            await self._loop()
+        finally:
+            self._lora.clear()
+
+    async def _loop(self) -> None:
         while not self._stopped:
             admitted = self._admit()
             if not self._running and not admitted:

@@ -46,6 +46,11 @@ class VersionGone(Exception):
     """The trainer no longer serves the requested version."""
 
 
+class NotAnAdapter(Exception):
+    """The version asked for beside others is full weights: nothing was changed, and the
+    loader now knows it serves full weights (rollout_follower.py)."""
+
+
 def weightsync_puller(use_shm: bool) -> Pull:
     """A Pull over WeightSync: a client per call, NOT_FOUND raised as VersionGone."""
 
@@ -139,15 +144,20 @@ class EngineLoader:
     async def load(self, address: str, version: int) -> None:
         await self._install(address, version, beside=False)
 
-    async def add(self, address: str, version: int) -> None:
-        await self._install(address, version, beside=True)
+    async def add(self, address: str, version: int, *, adapter_only: bool = False) -> None:
+        await self._install(address, version, beside=True, adapter_only=adapter_only)
 
     async def remove(self, version: int) -> None:
         await self._engine.remove(version)
 
-    async def _install(self, address: str, version: int, *, beside: bool) -> None:
+    async def _install(
+        self, address: str, version: int, *, beside: bool, adapter_only: bool = False
+    ) -> None:
         result = await self._pull(address, version)
         manifest = result.manifest
+        if not manifest.HasField("adapter") and adapter_only:
+            self._adapters = False
+            raise NotAnAdapter(f"version {version}: full weights, asked for as an adapter")
         if not manifest.HasField("adapter"):
             await self._engine.swap(version, result.state_dict)
             self._base_replaced = True

@@ -19,9 +19,11 @@ PolicyLoaded(ok=false) and never tried again by this process; one the trainer no
 holds is reported ok=false with "version gone: ..." too, so the canary judge can roll a
 candidate back instead of waiting for a load that cannot happen. Which kind a replica
 serves is known once it pulled a version (the loader's `adapters`); until then it loads as
-for adapters, the `follow` target first, so a full-weight replica loads its target first.
+for adapters, the `follow` target first, and any other version only if it is an adapter
+(NotAnAdapter otherwise: nothing changes, and the replica now knows it serves full weights).
 Transient failures propagate: the consumer retries the event, and the fold is idempotent
-(a decision is folded once by id, refused or not, so a replay never re-judges it).
+(RolloutState gives a decision id seen before its first outcome, so a replay changes
+nothing).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from harnessrl.logs import get_logger
 from harnessrl.retry import is_retryable
 from harnessrl.rollout import Rollout, RolloutState
 from harnessrl.services.inference.config import Follow
-from harnessrl.services.inference.follower import VersionGone, WeightLoader
+from harnessrl.services.inference.follower import NotAnAdapter, VersionGone, WeightLoader
 from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)
@@ -60,9 +62,10 @@ class RolloutLoader(WeightLoader, Protocol):
     def keep(self) -> int:
         """Most adapters it keeps loaded when the rollout needs fewer (0: exactly those)."""
 
-    async def add(self, address: str, version: int) -> None:
+    async def add(self, address: str, version: int, *, adapter_only: bool = False) -> None:
         """Serve `version` from now on: an adapter beside the versions served, full weights
-        in place of them. Raises as WeightLoader.load does; nothing changes on failure."""
+        in place of them. Raises as WeightLoader.load does, and NotAnAdapter for full
+        weights with `adapter_only`; nothing changes on failure."""
 
     async def remove(self, version: int) -> None:
         """Stop serving the adapter `version` (idempotent); requests it is serving finish."""
@@ -93,7 +96,6 @@ class RolloutFollower:
         self._follow = follow
         self.rollout = RolloutState()
         self._addresses: dict[int, str] = {}
-        self._seen: set[str] = set()
         self._failed: dict[int, str] = {}
         """Versions that will not load (refused, or gone), with why: never tried again."""
         self._lock = asyncio.Lock()
@@ -110,9 +112,8 @@ class RolloutFollower:
             self._addresses[int(event.version)] = event.weightsync_address
             self.rollout.announced(event)
             return
-        if event.decision_id in self._seen:
-            return
-        self._seen.add(event.decision_id)
+        if self.rollout.outcome(event.decision_id)[0]:
+            return  # a replay, or a copy: it keeps its first outcome
         reason = self.rollout.decided(event)
         if reason is not None:
             log.info("rollout decision refused", decision_id=event.decision_id, reason=reason)
@@ -137,12 +138,15 @@ class RolloutFollower:
             if state.stable is None:
                 return []
             reports: list[pb.PolicyLoaded] = []
+            full = target(state, self._follow)
             for version in self._wanted(state):
-                if self._loader.adapters is False and version != target(state, self._follow):
+                if self._loader.adapters is False and version != full:
                     continue
                 if version in self._loader.served or version in self._failed:
                     continue
-                reports.append(await self._load(version))
+                report = await self._load(version, adapter_only=version != full)
+                if report is not None:
+                    reports.append(report)
             if self._loader.adapters and await self._unload_surplus(state):
                 reports.append(self._report(max(self._loader.served)))
             return reports
@@ -169,11 +173,14 @@ class RolloutFollower:
             unloaded = True
         return unloaded
 
-    async def _load(self, version: int) -> pb.PolicyLoaded:
+    async def _load(self, version: int, *, adapter_only: bool) -> pb.PolicyLoaded | None:
+        """Load `version`; its report, or None when it is full weights not to load."""
         started = time.monotonic()
         address = self._addresses[version]  # wanted versions are announced ones
         try:
-            await self._loader.add(address, version)
+            await self._loader.add(address, version, adapter_only=adapter_only)
+        except NotAnAdapter:
+            return None  # a full-weight replica: only its `follow` target is loaded
         except VersionGone as gone:
             self._loads.labels("skipped").inc()
             self._failed[version] = f"version gone: {gone}"

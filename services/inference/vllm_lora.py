@@ -134,9 +134,10 @@ class VllmLoraServer:
         self._version, self._served = version, self.name_of(version)
         await self._unload_older()
 
-    async def add(self, address: str, version: int) -> None:
+    async def add(self, address: str, version: int, *, adapter_only: bool = False) -> None:
         """Pull, verify and write the adapter of `version`, load it into vLLM beside the
-        adapters loaded; raises as `load` does."""
+        adapters loaded; raises as `load` does (full weights are refused whatever
+        `adapter_only` says: this vLLM takes adapters only)."""
         from harnessrl.weights.adapter import write_peft_dir
 
         result = await self._pull(address, version)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from harnessrl.retry import RetryableError, is_retryable
-from harnessrl.services.inference.follower import VersionGone
+from harnessrl.services.inference.follower import NotAnAdapter, VersionGone
 
 
 class VllmUnusable(Exception):
@@ -62,9 +62,12 @@ class VllmServer:
     def keep(self) -> int:
         return 0
 
-    async def add(self, address: str, version: int) -> None:
+    async def add(self, address: str, version: int, *, adapter_only: bool = False) -> None:
         """Full weights replace the version served: `load`, whichever is newer (a canary
-        rollout's follow label may name an older one)."""
+        rollout's follow label may name an older one). This vLLM takes full weights only:
+        NotAnAdapter for `adapter_only`, nothing changed."""
+        if adapter_only:
+            raise NotAnAdapter(f"version {version}: this vLLM serves full weights only")
         await self.load(address, version)
 
     async def remove(self, version: int) -> None:
