@@ -15,6 +15,7 @@ from google.protobuf.message import Message
 
 from harnessrl import events
 from harnessrl.apps.cli import main as cli_main
+from harnessrl.apps.cli.policy import evidence_line
 from harnessrl.broker import EmbeddedBroker
 from harnessrl.bus import Producer
 from harnessrl.bus.snapshot import read_to_end
@@ -240,3 +241,14 @@ async def test_bad_operator_input_is_one_clear_error(
     code, _, err = await policy(broker, capsys, "pin", "1", "--by", "alice smith")
     assert code == 2 and "--by: 'alice smith' is not an operator name" in err
     assert await decisions(broker) == []
+
+
+def test_the_evidence_of_a_failed_load_names_the_engine_and_its_error() -> None:
+    """Pure: the judge's load_failed evidence is no CanaryDecision; its fields are shown."""
+    failed = pb.RolloutDecision(
+        reason="load_failed",
+        evidence_json='{"engine":"http://e:8100","error":"checksum mismatch","version":3}',
+    )
+    assert evidence_line(failed) == "engine http://e:8100; error checksum mismatch; version 3"
+    assert evidence_line(pb.RolloutDecision(evidence_json="{not json")) == "evidence unreadable"
+    assert evidence_line(pb.RolloutDecision()) == ""  # an operator's: none

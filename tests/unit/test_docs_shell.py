@@ -51,6 +51,7 @@ _CODEX = (
     "test_codex_cli_default_agent_runs_through_the_gateway_and_is_captured"
 )
 _H = r"\.venv/bin/harnessrl"
+_POLICY = "tests/integration/test_policy_cli.py::"
 
 COMMANDS: tuple[tuple[str, str], ...] = (
     (r"make test", ".ci/run: make test"),  # CI's entry point
@@ -114,6 +115,14 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     (rf"({_H}|HARNESSRL_\S+ .*{_H}) (inference|gateway|controller|sample-builder) ", _UP),
     (rf"{_H} trainer --model ", _UP),
     (rf"{_H} trainer plan ", RUN),
+    (
+        rf"{_H} policy status ",
+        f"{_POLICY}test_status_shows_the_rollout_the_engines_and_the_judges_evidence",
+    ),
+    (
+        rf"{_H} policy (promote|rollback|pin|unpin) ",
+        f"{_POLICY}test_operators_promote_pin_unpin_and_roll_back_and_refusals_publish_nothing",
+    ),
 )
 
 
