@@ -80,6 +80,7 @@ class Checkpoints:
         state: TrainerState,
         *,
         tokenizer: Any | None = None,
+        replace: bool = False,
     ) -> Path:
         """Writes checkpoint `root/step-<state.step:08d>` atomically, then prunes to the
         newest `keep` complete checkpoints; returns the checkpoint's path.
@@ -89,16 +90,20 @@ class Checkpoints:
         rank); with `tokenizer`'s files the directory is a loadable model directory.
         Raises ValueError for a state that cannot be stored (negative step, a sample id
         with a newline, non-JSON `extra`) before writing anything; FileExistsError if a
-        checkpoint for this step exists; OSError from the filesystem. On any error the
-        temporary directory is removed and no checkpoint is added.
+        checkpoint for this step exists, unless `replace` (a rewind changes the weights
+        without a step): the old one is then moved aside and removed once the new one is in
+        place (a crash in between leaves the step without a checkpoint, never a mix; the
+        trainer's start detects weights a rollback retired); OSError from the filesystem.
+        On any error the temporary directory is removed and no checkpoint is added.
         """
         started = time.monotonic()
         state_json = _encode_state(state)
         final = self.root / f"step-{state.step:08d}"
         self.root.mkdir(parents=True, exist_ok=True)
-        if final.exists():
+        if final.exists() and not replace:
             raise FileExistsError(f"a checkpoint for step {state.step} exists: {final}")
         tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{final.name}-", dir=self.root))
+        doomed: Path | None = None
         try:
             write(tmp)
             if tokenizer is not None:
@@ -110,11 +115,16 @@ class Checkpoints:
             (tmp / COMPLETE).write_text(f"{state.step}\n", encoding="utf-8")
             _fsync_file(tmp / COMPLETE)
             _fsync_dir(tmp)
+            if final.exists():
+                doomed = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}replaced-", dir=self.root))
+                os.rename(final, doomed / final.name)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # best effort; cleanup_partial() finishes
             raise
         _fsync_dir(self.root)
+        if doomed is not None:
+            shutil.rmtree(doomed)
         pruned = self._prune()
         log.info(
             "checkpoint saved",

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from harnessrl.config import Section, ServiceConfig, ServiceSection
+from harnessrl.production import ProductionSection
 from harnessrl.weights.settings import WeightSyncSettings
 
 
@@ -150,3 +151,8 @@ class TrainerConfig(ServiceConfig):
 
     trainer: TrainerSection = TrainerSection()
     """The trainer."""
+    production: ProductionSection = ProductionSection()
+    """Production sessions (shared with the gateway and the reward service): under
+    `production.canary` the trainer follows the rollout on hrl.policy, keeps the stable and
+    candidate versions servable, and rewinds to the stable version after a rollback
+    (trainer.sharding with FSDP across ranks is refused then)."""

@@ -39,6 +39,11 @@ class TrainerMetrics:
             "engine (the adapter pairs only under trainer.lora).",
             registry=r,
         )
+        self.rewinds = Counter(
+            "harnessrl_trainer_rewinds",
+            "Rewinds of the weights to the stable version after a canary rollback.",
+            registry=r,
+        )
         self.step_seconds = Histogram(
             "harnessrl_trainer_step_seconds",
             "Time of one optimiser step.",
@@ -54,7 +59,8 @@ class TrainerMetrics:
         self.samples_dropped = Labelled(
             Counter(
                 "harnessrl_trainer_samples_dropped",
-                "Samples not trained on, by reason (stale, trained).",
+                "Samples not trained on, by reason (stale, too_stale, rolled_back, deleted, "
+                "trained).",
                 ["reason"],
                 registry=r,
             )
@@ -63,7 +69,8 @@ class TrainerMetrics:
             Counter(
                 "harnessrl_trainer_tokens_dropped",
                 "Loss-mask tokens of samples the builder emitted that no step trained, by "
-                "reason (stale): the trainer's part of the token books.",
+                "reason (stale, too_stale, rolled_back, deleted): the trainer's part of the "
+                "token books.",
                 ["reason"],
                 registry=r,
             )

@@ -49,16 +49,7 @@ class Policy:
         self.world = world
         self.device = device
         self.reference = reference
-        self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=settings.lr,
-            betas=settings.betas,
-            weight_decay=settings.weight_decay,
-        )
-        warmup = settings.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-        )
+        self.optimizer, self.scheduler = self._fresh_optimizer()
         loss = settings.loss
         self.step_settings = StepSettings(
             normalization=loss.normalization,
@@ -72,6 +63,21 @@ class Policy:
                 kl_coef=loss.kl_coef,
             ),
         )
+
+    def _fresh_optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
+        """AdamW over the trainable parameters, no state yet, and its warm-up schedule."""
+        settings = self.settings
+        optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=settings.lr,
+            betas=settings.betas,
+            weight_decay=settings.weight_decay,
+        )
+        warmup = settings.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
+        return optimizer, scheduler
 
     @property
     def vocab_size(self) -> int:
@@ -166,13 +172,45 @@ class Policy:
         """Collective: restore what `save_tensors` wrote, at any world size."""
         tensors.load(self.model, self.optimizer, self.scheduler, directory)
 
+    def rewind(self, weights: Path) -> None:
+        """Collective: load a published version's tensors (a safetensors file under their
+        published names, services/trainer/archive.py) into the model, and start a fresh
+        optimiser and warm-up: a canary rollback returns training to the stable version, and
+        the moments the retired line accumulated must not steer it. Raises ValueError naming
+        the tensors when the file's are not exactly what this model publishes (before any
+        is changed); NotImplementedError for a sharded model (FSDP)."""
+        from safetensors.torch import load_file
+
+        if self.sharded:
+            raise NotImplementedError(
+                "rewinding a sharded (FSDP) trainer is not supported under production.canary"
+            )
+        stored = load_file(str(weights))
+        targets = self.state_dict()  # published name -> the live tensor
+        unknown = sorted(set(stored) - set(targets))
+        missing = sorted(set(targets) - set(stored))
+        wrong = sorted(
+            n
+            for n in set(stored) & set(targets)
+            if stored[n].shape != targets[n].shape or stored[n].dtype != targets[n].dtype
+        )
+        if unknown or missing or wrong:
+            raise ValueError(
+                f"{weights}: tensors do not fit the model: unknown {unknown[:3]}, missing "
+                f"{missing[:3]}, mis-shaped or of another dtype {wrong[:3]}"
+            )
+        with torch.no_grad():
+            for name, tensor in stored.items():
+                targets[name].copy_(tensor)
+        self.optimizer, self.scheduler = self._fresh_optimizer()
+
     def _autocast(self) -> Any:
         if compute_dtype(self.settings, self.device) == torch.bfloat16:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
 
-_COMMANDS = frozenset({"step", "gather", "save_tensors", "load_tensors"})
+_COMMANDS = frozenset({"step", "gather", "save_tensors", "load_tensors", "rewind"})
 
 
 class _WorldRanks:

@@ -8,6 +8,14 @@ engines report PolicyLoaded. A GroupSamples record stays uncommitted until a che
 holds the step that trained it: a crash resumes from the newest checkpoint, the records
 after it are re-delivered, and the delivery ledger stored in the checkpoint (ledger.py)
 skips what its weights hold — no sample is trained twice, none is skipped.
+
+Under `production.canary` the trainer follows the rollout on hrl.policy (rollout_watch.py,
+which states the rule for training under a canary): the stable and candidate versions stay
+servable (protected in WeightSync, archived on disk), samples of retired versions are
+dropped as `rolled_back`, and after a rollback, between two steps, the weights rewind to the
+stable version's with a fresh optimiser, recorded in the step journal and checkpointed at
+once (a trainer that restarts on retired weights rewinds again before serving anything).
+Every PolicyVersion says which version's weights its step started from (`base`).
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ from harnessrl.bus.snapshot import read_to_end
 from harnessrl.logs import get_logger
 from harnessrl.retry import PermanentError
 from harnessrl.runtime import Runtime
-from harnessrl.service_bus import Consuming, ServiceBus, Subscription
+from harnessrl.service_bus import Consuming, EventHandler, ServiceBus, Subscription
+from harnessrl.services.trainer.archive import WEIGHTS, VersionArchive
 from harnessrl.services.trainer.checkpoint import Checkpoints, TrainerState
 from harnessrl.services.trainer.config import TrainerConfig
 from harnessrl.services.trainer.delivery import DeliveryLedger
@@ -36,6 +45,7 @@ from harnessrl.services.trainer.journal import read as read_journal
 from harnessrl.services.trainer.lora import adapter_spec
 from harnessrl.services.trainer.metrics import TrainerMetrics
 from harnessrl.services.trainer.policy import Policy
+from harnessrl.services.trainer.rollout_watch import RolloutWatch
 from harnessrl.services.trainer.swap import EngineWatch
 from harnessrl.trust.batching import Batch, Batcher
 from harnessrl.trust.session_samples import ESTIMATOR as SESSION_ESTIMATOR
@@ -59,11 +69,17 @@ class TrainerService:
         self._checkpoints = Checkpoints(
             self._settings.checkpoint_dir, keep=self._settings.keep_checkpoints
         )
+        self._watch: RolloutWatch | None = None
+        """The canary rollout followed on hrl.policy (production.canary.enabled), else None."""
+        if config.production.canary.enabled:
+            archive = VersionArchive(self._settings.checkpoint_dir / "versions")
+            self._watch = RolloutWatch(archive)
         self._batcher = Batcher(
             batch_groups=self._settings.batch_groups,
             batch_tokens=self._settings.batch_tokens,
             max_staleness=self._settings.max_staleness,
             max_session_staleness=self._settings.max_session_staleness,
+            retired=None if self._watch is None else self._watch.retired,
         )
         self._ledger: DeliveryLedger[Hold] = DeliveryLedger(
             max_staleness=self._batcher.staleness.remembered
@@ -71,6 +87,13 @@ class TrainerService:
         """What was offered, trained and checkpointed; holds records until a checkpoint."""
         self.step = 0
         self.version = 0
+        """The newest version number this trainer used (versions never repeat)."""
+        self._weights = 0
+        """The version whose weights the policy holds: `version`, except after a rewind to
+        the stable version (until the next step)."""
+        self._base: int | None = None
+        """The version `_weights` was trained from (PolicyVersion.base; None for 0)."""
+        self._server: WeightSyncServer | None = None
         self._tokenizer: Any = None
         self._adapter: weights_pb.LoraAdapter | None = None
         """What every published version says of its adapters (trainer.lora), else None."""
@@ -100,17 +123,38 @@ class TrainerService:
         async with AsyncExitStack() as stack:
             await self._bus.start(stack, topics=[events.SAMPLES, events.POLICY])
             self._policy = await asyncio.to_thread(self._load)
+            watch = self._watch
+            if watch is not None and self._policy.sharded:
+                raise ValueError(
+                    "production.canary.enabled: a trainer sharded with FSDP "
+                    "(trainer.sharding.strategy=fsdp across ranks) cannot rewind after a "
+                    "rollback; run one process or sharding.strategy=replicate"
+                )
             self._journal = StepJournal(settings.checkpoint_dir, resumed_from=self.step)
-            await self._skip_lost_versions()
+            announced = await self._read_policy()
+            await self._rewind_if_retired()  # resumed on weights a rollback retired?
+            self._skip_lost_versions(announced)
             server = WeightSyncServer(settings.weightsync)
+            self._server = server
             await server.start()
             stack.push_async_callback(server.stop)
+            if watch is not None:
+                await watch.restore(server)
             engines = EngineWatch(self._bus.producer, expected=settings.engines)
             # Every trainer instance follows every engine: a consumer group of its own.
             group = f"harnessrl.trainer.{self._config.instance}"
-            handlers = {**engines.handlers, pb.SessionDeleted: self._on_deleted}
+            handlers: dict[type[Any], EventHandler] = {
+                **engines.handlers,
+                pb.SessionDeleted: self._on_deleted,
+            }
+            if watch is not None:
+                handlers[pb.PolicyVersion] = self._on_version
+                handlers[pb.RolloutDecision] = self._on_decision
             self._bus.consume(stack, Subscription(group, handlers))
-            await self._announce(server, checkpoint="")
+            if self._weights == self.version:  # else the stable version's, served already
+                await self._announce(server, checkpoint="", base=self._base)
+            if watch is not None:
+                await watch.keep(server)
             samples = Subscription(GROUP, {pb.GroupSamples: self._on_samples})
             self._samples = self._bus.consume(stack, samples)
             training = asyncio.create_task(self._train(server, engines), name="train")
@@ -162,15 +206,18 @@ class TrainerService:
                 latest, lambda path: policy.everywhere("load_tensors", path)
             )
             self.step, self.version = state.step, state.policy_version
+            self._weights = int(state.extra.get("weights", self.version))
+            base = state.extra.get("base", self.version - 1 if self.version else None)
+            self._base = None if base is None else int(base)
             self._ledger.restore(state.ledger)
             log.info("resumed from checkpoint", path=str(latest), step=self.step)
         return policy
 
-    async def _skip_lost_versions(self) -> None:
-        """Versions announced after the checkpoint we resumed from were lost with the crash;
-        engines may serve one. The checkpoint's weights are announced under a version above
-        all of them, so every engine goes back to them."""
+    async def _read_policy(self) -> int:
+        """Read hrl.policy's history: deleted sessions, and (under a canary) the rollout.
+        Returns the newest version announced (at least the checkpoint's)."""
         announced = self.version
+        watch = self._watch
         async for _, event, _ in read_to_end(
             self._config.kafka,
             events.POLICY,
@@ -178,16 +225,28 @@ class TrainerService:
         ):
             if isinstance(event, pb.PolicyVersion):
                 announced = max(announced, event.version)
+                if watch is not None:
+                    watch.announced(event)
             elif isinstance(event, pb.SessionDeleted):
                 self._deleted.add(event.group_id)
+            elif isinstance(event, pb.RolloutDecision) and watch is not None:
+                watch.decided(event)
+        return announced
+
+    def _skip_lost_versions(self, announced: int) -> None:
+        """Versions announced after the checkpoint we resumed from were lost with the crash;
+        engines may serve one. The weights held are announced under a version above all of
+        them (trained from the version they are), so every engine goes back to them."""
         if announced > self.version:
             log.warning(
                 "versions after the checkpoint were lost; re-announcing its weights",
                 checkpoint_version=self.version,
+                weights=self._weights,
                 lost_up_to=announced,
                 version=announced + 1,
             )
             self.version = announced + 1
+            self._base, self._weights = self._weights, self.version
 
     async def _on_samples(self, group: pb.GroupSamples, ctx: Context) -> None:
         assert self._policy is not None  # loaded before consuming
@@ -228,6 +287,7 @@ class TrainerService:
             self._due.clear()
             if self._stopping.is_set():
                 return
+            await self._rewind_if_retired()  # between steps, never during one
             if not self._batcher.due:
                 continue
             batch = self._batcher.take(self.version)
@@ -241,9 +301,11 @@ class TrainerService:
                 continue
             self._stepping.clear()
             try:
+                started_from = self._weights
                 stats = await self._step(batch)
                 self.step += 1
                 self.version += 1
+                self._base, self._weights = started_from, self.version
                 self._ledger.trained(self.version)
                 assert self._journal is not None
                 self._journal.record(self.step, self.version, (s.sample_id for s in batch.samples))
@@ -254,7 +316,7 @@ class TrainerService:
                 checkpoint = await self._checkpoint()
             if settings.schedule == "sync":
                 await engines.pause(self.version)
-            await self._announce(server, checkpoint, sessions=_sessions_of(batch))
+            await self._announce(server, checkpoint, base=self._base, sessions=_sessions_of(batch))
             if settings.schedule == "sync":
                 await engines.wait_loaded(self.version, settings.load_timeout_s)
                 await engines.resume(self.version)
@@ -303,17 +365,24 @@ class TrainerService:
             span.set_attribute("harnessrl.loss", stats.loss)
         return stats
 
-    async def _checkpoint(self) -> str:
-        """Save a checkpoint of everything trained so far, then acknowledge its records."""
+    async def _checkpoint(self, *, replace: bool = False) -> str:
+        """Save a checkpoint of everything trained so far, then acknowledge its records
+        (`replace`: one saved at this step already, before a rewind, is replaced)."""
         assert self._policy is not None
         policy = self._policy
         snapshot = self._ledger.snapshot(self.version)
-        state = TrainerState(step=self.step, policy_version=self.version, ledger=snapshot.state)
+        state = TrainerState(
+            step=self.step,
+            policy_version=self.version,
+            ledger=snapshot.state,
+            extra={"weights": self._weights, "base": self._base},
+        )
         path = await asyncio.to_thread(
             self._checkpoints.save,
             lambda directory: policy.everywhere("save_tensors", directory),
             state,
             tokenizer=self._tokenizer,
+            replace=replace,
         )
         for hold in self._ledger.checkpointed(snapshot):
             hold.release()
@@ -325,6 +394,53 @@ class TrainerService:
             held=self._ledger.held,  # records a crash now would re-deliver
         )
         return path.resolve().as_uri()
+
+    async def _on_version(self, event: pb.PolicyVersion, ctx: Context) -> None:
+        assert self._watch is not None and self._server is not None
+        self._watch.announced(event)
+        await self._watch.keep(self._server)
+
+    async def _on_decision(self, decision: pb.RolloutDecision, ctx: Context) -> None:
+        """Fold a rollout decision; after a rollback that retires the weights held, the
+        training loop rewinds before its next step (never during one)."""
+        assert self._watch is not None and self._server is not None
+        if self._watch.decided(decision):
+            await self._watch.keep(self._server)
+            if self._watch.retired(self._weights):
+                self._due.set()
+
+    async def _rewind_if_retired(self) -> None:
+        """When a rollback retired the weights held: load the stable version's (archived
+        when it became stable) with a fresh optimiser, journal it, and checkpoint at once,
+        so a crash after it does not resume the retired line. Raises RuntimeError when the
+        stable version is not archived."""
+        if self._watch is None or not self._watch.retired(self._weights):
+            return
+        assert self._policy is not None
+        stable = self._watch.state.stable
+        assert stable is not None  # a rollback applied: versions were announced
+        weights = self._watch.archive.path(stable) / WEIGHTS
+        if not weights.is_file():
+            raise RuntimeError(
+                f"cannot rewind to stable version {stable} after a rollback: it is not "
+                f"archived in {self._watch.archive.root} (it was stable before this trainer "
+                "could archive it)"
+            )
+        retired = self._weights
+        await asyncio.to_thread(self._policy.everywhere, "rewind", weights)
+        self._weights = stable
+        self._base = self._watch.state.bases.get(stable)
+        assert self._journal is not None
+        self._journal.rewind(self.step, stable)
+        self.metrics.rewinds.inc()
+        log.warning(
+            "rolled back: weights rewound to the stable version",
+            retired=retired,
+            stable=stable,
+            step=self.step,
+            version=self.version,
+        )
+        await self._checkpoint(replace=True)
 
     async def _on_deleted(self, event: pb.SessionDeleted, ctx: Context) -> None:
         """An app took a production session back: its pending samples are dropped, none
@@ -365,15 +481,24 @@ class TrainerService:
         )
 
     async def _announce(
-        self, server: WeightSyncServer, checkpoint: str, sessions: list[str] | None = None
+        self,
+        server: WeightSyncServer,
+        checkpoint: str,
+        *,
+        base: int | None,
+        sessions: list[str] | None = None,
     ) -> None:
+        """Serve the weights held as `self.version` (unless served already: an archived
+        version re-held at start) and announce them, trained from `base`."""
         assert self._policy is not None
         policy = self._policy
-        if policy.sharded:  # the followers all-gather each tensor as the server copies it
-            await asyncio.to_thread(policy.world.share, ("gather", ()))
-        manifest = await server.publish(
-            self.version, self.step, policy.state_dict(), adapter=self._adapter
-        )
+        manifest = server.manifest(self.version)
+        if manifest is None:
+            if policy.sharded:  # the followers all-gather each tensor as the server copies it
+                await asyncio.to_thread(policy.world.share, ("gather", ()))
+            manifest = await server.publish(
+                self.version, self.step, policy.state_dict(), adapter=self._adapter
+            )
         self.metrics.published_bytes.set(manifest.total_bytes)
         await self._bus.producer.publish(
             pb.PolicyVersion(
@@ -384,6 +509,7 @@ class TrainerService:
                 checkpoint_uri=checkpoint,
                 session_groups=sessions or [],
                 tokens_dropped={k: v for k, v in sorted(self._dropped_since.items()) if v},
+                base=base,
             )
         )
         self._dropped_since.clear()

@@ -8,7 +8,9 @@ session's samples (estimator `session_baseline`) wait for feedback that comes ho
 so theirs is a bound of their own, `max_session_staleness`, and what passes it is dropped as
 `too_stale`; within it the clipped, importance-weighted loss (loss.py: the ratio of the
 policy's log-prob to the recorded behaviour log-prob, clipped and dual-clipped) corrects for
-the versions in between. A batch is
+the versions in between. Under a canary rollout (`retired` given), a sample produced by a
+version that was rolled back, or descends from one, is never trained: it is dropped as
+`rolled_back`, at arrival and when taken, whatever its staleness. A batch is
 due once `batch_groups` groups (or `batch_tokens` tokens) are pending; it is taken whole, in
 arrival order.
 """
@@ -16,7 +18,7 @@ arrival order.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Set
+from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 
 from harnessrl.trust.packing import SampleArrays
@@ -58,7 +60,7 @@ class Batch:
     """The groups as received (their span ids link the step's span to them)."""
     tokens: int = 0
     stale: list[str] = field(default_factory=list)
-    """Ids of the samples of `groups` dropped as stale when the batch was taken."""
+    """Ids of the samples of `groups` dropped when the batch was taken (stale, rolled back)."""
     session: bool = False
     """A production session's group (one entry per group while pending)."""
 
@@ -71,15 +73,19 @@ class Batcher:
         batch_tokens: int | None,
         max_staleness: int,
         max_session_staleness: int = 0,
+        retired: Callable[[int], bool] | None = None,
     ) -> None:
+        """`retired(version)`: whether a version was rolled back or descends from one (a
+        canary rollout's RolloutState; None: no version ever is)."""
         self._batch_groups = batch_groups
+        self._retired = retired
         self._batch_tokens = batch_tokens
         self.staleness = Staleness(max_staleness, max_session_staleness)
         self._horizon = 0
         self._pending: list[Batch] = []
         """One entry per pending group, in arrival order."""
         self.dropped: Counter[str] = Counter()
-        """Samples not trained on, by reason ("stale", "too_stale", "trained")."""
+        """Samples not trained on, by reason ("stale", "too_stale", "rolled_back", "trained")."""
         self.dropped_tokens: Counter[str] = Counter()
         """Their loss-mask tokens (the trainer's part of the token books): a sample trained
         already was counted when it was trained, so only stale ones are."""
@@ -99,6 +105,10 @@ class Batcher:
                 self.dropped["trained"] += 1
                 continue
             self._horizon = max(self._horizon, horizon)
+            if self.rolled_back(sample.policy_version_min, sample.policy_version_max):
+                self.dropped["rolled_back"] += 1
+                self.dropped_tokens["rolled_back"] += sum(1 for m in sample.loss_mask if m)
+                continue
             if self.staleness.stale(
                 version, sample.policy_version_min, self._horizon, session=session
             ):
@@ -128,6 +138,13 @@ class Batcher:
         self._pending = kept
         return dropped
 
+    def rolled_back(self, oldest: int, newest: int) -> bool:
+        """Whether a version in [oldest, newest] (a sample's calls) is retired."""
+        retired = self._retired
+        if retired is None:
+            return False
+        return any(retired(v) for v in range(oldest, max(oldest, newest) + 1))
+
     def pending_ids(self) -> set[str]:
         return {s.sample_id for entry in self._pending for s in entry.samples}
 
@@ -144,25 +161,31 @@ class Batcher:
 
     def take(self, version: int) -> Batch:
         """The next batch at policy `version`: the oldest `batch_groups` groups, or fewer
-        once `batch_tokens` tokens are reached. Samples that grew stale while they waited
-        are dropped (counted) here too."""
+        once `batch_tokens` tokens are reached. Samples that grew stale while they waited,
+        or whose version was rolled back meanwhile, are dropped (counted) here too."""
         batch = Batch()
         while self._pending and len(batch.groups) < self._batch_groups:
             if self._batch_tokens is not None and batch.tokens >= self._batch_tokens:
                 break
             entry = self._pending.pop(0)
+            newest = {s.sample_id: s.policy_version_max for g in entry.groups for s in g.samples}
             fresh: list[SampleArrays] = []
-            stale: list[SampleArrays] = []
+            too_old = "too_stale" if entry.session else "stale"
+            dropped: dict[str, list[SampleArrays]] = {"rolled_back": [], too_old: []}
             for s in entry.samples:
-                too_old = self.staleness.stale(
+                if self.rolled_back(s.policy_version_min, newest.get(s.sample_id, 0)):
+                    dropped["rolled_back"].append(s)
+                elif self.staleness.stale(
                     version, s.policy_version_min, self._horizon, session=entry.session
-                )
-                (stale if too_old else fresh).append(s)
-            reason = "too_stale" if entry.session else "stale"
-            self.dropped[reason] += len(stale)
-            self.dropped_tokens[reason] += sum(int(s.loss_mask.sum()) for s in stale)
+                ):
+                    dropped[too_old].append(s)
+                else:
+                    fresh.append(s)
+            for reason, samples in dropped.items():
+                self.dropped[reason] += len(samples)
+                self.dropped_tokens[reason] += sum(int(s.loss_mask.sum()) for s in samples)
+                batch.stale.extend(s.sample_id for s in samples)
             batch.samples.extend(fresh)
-            batch.stale.extend(s.sample_id for s in stale)
             batch.groups.extend(entry.groups)
             batch.tokens += sum(len(s.token_ids) for s in fresh)
         return batch

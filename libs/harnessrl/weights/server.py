@@ -44,7 +44,8 @@ async def _abort(context: Any, code: grpc.StatusCode, details: str) -> NoReturn:
 
 
 class WeightSyncServer:
-    """Serves the newest `settings.keep_versions` published versions over gRPC.
+    """Serves the newest `settings.keep_versions` published versions, and the protected
+    ones, over gRPC.
 
     `start()` and `stop()` are idempotent; `publish()` may be called before `start()`.
     """
@@ -65,6 +66,36 @@ class WeightSyncServer:
     def versions(self) -> list[int]:
         """Versions currently served, oldest first."""
         return self._store.versions
+
+    @property
+    def protected(self) -> frozenset[int]:
+        """Versions never evicted, whatever is published after them (`protect`)."""
+        return self._store.protected
+
+    def protect(self, versions: frozenset[int] | set[int]) -> None:
+        """Keep serving `versions` (replacing the previous set) however many newer ones are
+        published: a canary rollout's stable and candidate, which an engine restarted
+        mid-canary pulls again. A protected version not held may be published out of
+        order (`publish`); one that loses its protection is evicted once beyond
+        `keep_versions`."""
+        self._store.protect(versions)
+
+    def manifest(self, version: int) -> pb.WeightManifest | None:
+        """A copy of held `version`'s manifest, or None when not held."""
+        held = self._store.get(version)
+        if held is None:
+            return None
+        manifest = pb.WeightManifest()
+        manifest.CopyFrom(held.manifest)
+        return manifest
+
+    def published(self, version: int) -> tuple[pb.WeightManifest, dict[str, torch.Tensor]] | None:
+        """A copy of held `version`'s manifest and tensors (CPU), or None when not held."""
+        held = self._store.get(version)
+        manifest = self.manifest(version)
+        if held is None or manifest is None:
+            return None
+        return manifest, held.tensors()
 
     async def start(self) -> None:
         """Bind and start serving (idempotent)."""
@@ -120,9 +151,10 @@ class WeightSyncServer:
         PEFT's names (harnessrl.weights.adapter), and the manifest says so.
 
         The copy is taken before this returns, so the caller may change its tensors right
-        after. Versions must increase: ValueError otherwise. The copy and checksums run in a
-        worker thread, so the server keeps serving older versions meanwhile. Evicts versions
-        beyond `keep_versions` (their segments are unlinked).
+        after. Versions must increase (ValueError otherwise), except a protected version not
+        held. The copy and checksums run in a worker thread, so the server keeps serving
+        older versions meanwhile. Evicts unprotected versions beyond `keep_versions` (their
+        segments are unlinked).
         """
         async with self._publish_lock:
             self._store.check_next(version)

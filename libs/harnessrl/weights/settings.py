@@ -17,7 +17,8 @@ class WeightSyncSettings(Section):
     port: int = Field(default=50061, ge=0, le=65535)
     """TCP port; 0 picks a free one (see WeightSyncServer.address)."""
     keep_versions: int = Field(default=2, ge=1)
-    """How many of the newest versions stay fetchable; older ones are evicted."""
+    """How many of the newest versions stay fetchable; older ones are evicted, except the
+    protected ones (a canary rollout's stable and candidate), held besides these."""
     chunk_bytes: int = Field(default=DEFAULT_CHUNK_BYTES, ge=1024)
     """Chunk size of a Fetch whose request asks for none."""
     max_chunk_bytes: int = Field(default=16 * MiB, ge=1024, le=48 * MiB)

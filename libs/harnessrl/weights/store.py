@@ -3,7 +3,9 @@
 `snapshot` copies a state dict into one contiguous buffer per version (each tensor at an
 aligned offset; a shared-memory segment when the same-host path is on), so a later trainer
 step that changes its parameters cannot change a published version, and checksums the
-copy. `VersionStore` keeps the newest K and evicts the rest; an evicted version's segment is
+copy. `VersionStore` keeps the newest K and evicts the rest, except the versions it is told
+to protect (a canary rollout's stable and candidate, which engines must be able to pull
+however many versions the trainer publishes meanwhile); an evicted version's segment is
 unlinked at once and its buffer released when the last Fetch stream reading it ends.
 """
 
@@ -21,7 +23,13 @@ from harnessrl.logs import get_logger
 from harnessrl.v1 import weights_pb2 as pb
 from harnessrl.weights import shm
 from harnessrl.weights.checksums import digest
-from harnessrl.weights.manifest import aligned, build_manifest, spec_for, tensor_bytes
+from harnessrl.weights.manifest import (
+    aligned,
+    build_manifest,
+    empty_like_spec,
+    spec_for,
+    tensor_bytes,
+)
 
 log = get_logger(__name__)
 
@@ -50,6 +58,21 @@ class HeldVersion:
             with contextlib.suppress(FileNotFoundError):
                 self.segment.unlink()
         self._release_if_done()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Copies of the version's tensors (CPU), by name in manifest order: what was
+        published, byte for byte (a trainer archives its stable version from them)."""
+        copies: dict[str, torch.Tensor] = {}
+        for spec, offset in zip(self.manifest.tensors, self.offsets, strict=True):
+            tensor = empty_like_spec(spec)
+            if spec.nbytes:
+                source = torch.frombuffer(
+                    self.data, dtype=torch.uint8, count=spec.nbytes, offset=offset
+                )
+                tensor_bytes(tensor).copy_(source)
+                del source  # the segment cannot be closed while a tensor exports it
+            copies[spec.name] = tensor
+        return copies
 
     def acquire(self) -> None:
         """A Fetch stream starts reading `data`."""
@@ -138,13 +161,18 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class VersionStore:
-    """The newest `keep` versions, by version number; versions must be published in order."""
+    """The newest `keep` versions, by version number, plus the protected ones.
+
+    Versions are published in order, except a protected version not held yet (a trainer
+    that restarted re-holds its rollout's stable and candidate beside newer versions).
+    """
 
     def __init__(self, keep: int) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         self._keep = keep
         self._held: dict[int, HeldVersion] = {}
+        self._protected: frozenset[int] = frozenset()
 
     @property
     def latest(self) -> HeldVersion | None:
@@ -156,21 +184,39 @@ class VersionStore:
         """Held version numbers, oldest first."""
         return sorted(self._held)
 
+    @property
+    def protected(self) -> frozenset[int]:
+        """The versions never evicted (`protect`)."""
+        return self._protected
+
+    def protect(self, versions: frozenset[int] | set[int]) -> None:
+        """Never evict `versions` (replacing the previous set); a version that loses its
+        protection is evicted at once when it is beyond the newest `keep`."""
+        self._protected = frozenset(versions)
+        self._evict()
+
     def check_next(self, version: int) -> None:
-        """ValueError unless `version` is newer than every held version."""
+        """ValueError unless `version` is newer than every held version, or is protected
+        and not held."""
+        if version in self._protected and version not in self._held:
+            return
         if self._held and version <= max(self._held):
             raise ValueError(
                 f"version {version} is not newer than the latest published ({max(self._held)})"
             )
 
     def add(self, held: HeldVersion) -> None:
-        """Hold a new version and evict the oldest beyond `keep`."""
+        """Hold a version (see `check_next`) and evict the oldest unprotected beyond `keep`."""
         self.check_next(held.manifest.version)
         self._held[held.manifest.version] = held
-        while len(self._held) > self._keep:
-            oldest = self._held.pop(min(self._held))
+        self._evict()
+
+    def _evict(self) -> None:
+        unprotected = sorted(v for v in self._held if v not in self._protected)
+        for version in unprotected[: max(0, len(unprotected) - self._keep)]:
+            oldest = self._held.pop(version)
             oldest.evict()
-            log.info("weights version evicted", version=oldest.manifest.version)
+            log.info("weights version evicted", version=version)
 
     def get(self, version: int) -> HeldVersion | None:
         """The held version `version`, or None when it was evicted or never published."""
