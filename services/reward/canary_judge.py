@@ -110,6 +110,8 @@ def reward_bounds(feedback: FeedbackSection) -> tuple[float, float]:
     """The range every session reward lies in: the least `min` and the largest `max` of the
     feedback signals (a reward is a weighted mean of signal values)."""
     rules = feedback.signals.values()
+    if not rules:
+        raise ValueError("production.feedback.signals: the canary judges rewards; name a signal")
     return min(r.min for r in rules), max(r.max for r in rules)
 
 
@@ -314,8 +316,10 @@ class CanaryJudge:
             self._load_failures[int(event.version)] = orjson.dumps(
                 proof, option=orjson.OPT_SORT_KEYS
             )
-        for version in [v for v in self._load_failures if self._concluded(v)]:
-            del self._load_failures[version]
+        stable = self.state.stable
+        for version in list(self._load_failures):  # only a version to come may be started
+            if self._concluded(version) or (stable is not None and version <= stable):
+                del self._load_failures[version]
 
     def _concluded(self, version: int) -> bool:
         """Whether `version` was decided already (rolled back, or stable at some point)."""

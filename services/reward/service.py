@@ -13,6 +13,7 @@ the configured reward: with production.apps set they go to the feedback join
 to the feedback API (feedback_api.py) on its own port, `reward.feedback_port`. The trainer's
 answers to deleted sessions (SessionDeletionApplied on hrl.policy) are followed by a consumer
 group of this instance's own, so the instance that holds a tombstone sees its answer.
+With production.canary.enabled the canary judge (canary_judge.py) runs beside the join.
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ class RewardService:
                 await self._start_feedback(stack)
                 if config.production.canary.enabled:
                     await self._start_judge(stack)
+            elif config.production.canary.enabled:
+                log.warning("production.canary.enabled: no judge without production.apps")
             # Closed in reverse: the consumer stops taking episodes, then the ones being
             # scored finish (or are cancelled), then the feedback side, then the producer
             # flushes.

@@ -327,3 +327,18 @@ async def test_a_session_with_a_canary_but_no_arm_is_ignored(tmp_path: Path, arm
     await judge.on_finished(finished(1, arm))
     assert judge.canary is not None
     assert all(s.sessions == 0 for s in judge.canary.arms.values())
+
+
+def test_a_judge_without_feedback_signals_says_which_setting() -> None:
+    with pytest.raises(ValueError, match=r"production\.feedback\.signals"):
+        reward_bounds(FeedbackSection(signals={}))
+
+
+async def test_a_version_that_failed_to_load_before_its_start_is_rolled_back_once_started(
+    tmp_path: Path,
+) -> None:
+    topic = Topic()
+    failed = pb.PolicyLoaded(version=1, engine="engine-0", ok=False, error="bad adapter")
+    topic.events += [version(0), failed, version(1)]
+    await started(tmp_path, topic)
+    assert actions(topic) == [("start", 1, "new version"), ("rollback", 1, "load_failed")]
