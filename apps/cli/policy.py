@@ -112,6 +112,9 @@ class RolloutBook:
         if kind == "policy_version":
             self.fold.announced(event)
         elif kind == "rollout_decision":
+            seen, refused = self.fold.outcome(event.decision_id)
+            if seen and refused is None:
+                return  # a copy of an applied decision (delivered at least once)
             self.decisions.append((event, self.fold.decided(event)))
         elif kind == "policy_loaded":
             engine = self.engines.setdefault(event.engine, EngineServing())

@@ -252,3 +252,53 @@ def test_the_evidence_of_a_failed_load_names_the_engine_and_its_error() -> None:
     assert evidence_line(failed) == "engine http://e:8100; error checksum mismatch; version 3"
     assert evidence_line(pb.RolloutDecision(evidence_json="{not json")) == "evidence unreadable"
     assert evidence_line(pb.RolloutDecision()) == ""  # an operator's: none
+
+
+async def test_a_decision_that_loses_a_race_lands_refused_and_exits_1(
+    broker: EmbeddedBroker, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race is staged: the judge's promotion of candidate 3 is published between the
+    command's check and its own publication, so the operator's rollback of 3 lands on a
+    state where 3 is stable and the candidate is gone."""
+    from harnessrl.apps.cli import policy as policy_cli
+
+    await publish_all(broker, tmp_path, history())
+    publish = policy_cli._publish
+
+    async def judge_first(config: Any, decision: pb.RolloutDecision, timeout: float) -> None:
+        promote = pb.RolloutDecision(
+            decision_id="canary/3/promote",
+            action=pb.ROLLOUT_ACTION_PROMOTE,
+            version=3,
+            stable=0,
+            actor="canary",
+            reason="reward",
+        )
+        await publish_all(broker, tmp_path / "judge", [promote, promote])  # and a copy
+        await publish(config, decision, timeout)
+
+    monkeypatch.setattr(policy_cli, "_publish", judge_first)
+    code, out, err = await policy(broker, capsys, "rollback", "--by", "alice")
+    assert (code, out) == (1, "")
+    assert err.strip() == (
+        "harnessrl policy rollback: published, but refused where it landed (another decision "
+        "came first): stable: the decision was made against version 0, but 3 is stable"
+    )
+    monkeypatch.setattr(policy_cli, "_publish", publish)
+    code, out, _ = await policy(broker, capsys, "status", "--json")
+    shown = json.loads(out)
+    assert (shown["state"]["stable"], shown["state"]["rolled_back"]) == (3, [1])
+    listed = [(d["action"], d["actor"], d["refused"]) for d in shown["decisions"]]
+    assert listed == [  # the copy of the promotion is listed once
+        ("start", "canary", None),
+        ("rollback", "canary", None),
+        ("start", "canary", None),
+        ("promote", "canary", None),
+        (
+            "rollback",
+            "operator:alice",
+            "stable: the decision was made against version 0, but 3 is stable",
+        ),
+    ]
+    code, text, _ = await policy(broker, capsys, "status")
+    assert "rollback v3 by operator:alice  REFUSED: stable: the decision was made" in text
