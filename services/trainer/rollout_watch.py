@@ -42,6 +42,10 @@ class RolloutWatch:
         self._fold = RolloutState()
         self._kept: frozenset[int] | None = None
         """The versions protected and archived by the last `keep` (None: never kept)."""
+        self._seen: set[str] = set()
+        """Decision ids folded, applied or refused: the trainer reads hrl.policy's history at
+        start and then consumes it from its group's offsets, so it may see a decision
+        twice, and one refused the first time must not apply against a later state."""
 
     @property
     def state(self) -> Rollout:
@@ -57,7 +61,11 @@ class RolloutWatch:
 
     def decided(self, decision: pb.RolloutDecision) -> bool:
         """Fold a RolloutDecision (idempotent); True when it applied now (not before, not
-        refused). A refused one is logged with every service's reason."""
+        refused). A refused one is logged with every service's reason; a decision id seen
+        before is ignored."""
+        if decision.decision_id in self._seen:
+            return False
+        self._seen.add(decision.decision_id)
         before = self._fold.state
         reason = self._fold.decided(decision)
         if reason is not None:

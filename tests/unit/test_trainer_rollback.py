@@ -129,12 +129,19 @@ def test_the_fold_retires_a_rolled_back_candidate_and_its_descendants(tmp_path: 
     for version in range(4):
         _announce(watch, version)
     assert watch.decided(_decide(pb.ROLLOUT_ACTION_START, 2, stable=0, share=0.5))
-    assert not watch.decided(_decide(pb.ROLLOUT_ACTION_START, 3, stable=0, share=0.5))  # refused
+    premature = _decide(pb.ROLLOUT_ACTION_PROMOTE, 1, stable=0)
+    assert not watch.decided(premature)  # refused: candidate 2 is pending
     assert watch.decided(_decide(pb.ROLLOUT_ACTION_ROLLBACK, 2, stable=0))
     assert not watch.decided(_decide(pb.ROLLOUT_ACTION_ROLLBACK, 2, stable=0))  # applied before
     assert [v for v in range(4) if watch.retired(v)] == [2, 3]
-    _announce(watch, 4, base=0)  # the trainer's first version after its rewind
+    # Seen again (history at start, then the consumer's offsets): refused the first time, it
+    # stays refused, though it would apply now.
+    assert not watch.decided(premature) and watch.state.stable == 0
+    premature.decision_id = "operator-again"
+    assert watch.decided(premature) and watch.state.stable == 1
+    _announce(watch, 4, base=1)  # the trainer's first version after its rewind
     assert not watch.retired(4)
+    assert watch.needed() == {0, 1}  # stable, and the one before it
 
 
 def _sample(sample_id: str, low: int, high: int) -> pb.Sample:
