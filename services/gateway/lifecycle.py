@@ -40,11 +40,11 @@ from harnessrl.services.gateway.budget import Budget
 from harnessrl.services.gateway.config import GatewaySection
 from harnessrl.services.gateway.control import Gate
 from harnessrl.services.gateway.dialects.base import Dialect, EngineCall
-from harnessrl.services.gateway.engines import EnginePool, UpstreamError
-from harnessrl.services.gateway.errors import GatewayError, render_engine, respond
+from harnessrl.services.gateway.engines import EnginePool
+from harnessrl.services.gateway.errors import render_engine, respond
 from harnessrl.services.gateway.metrics import GatewayMetrics
 from harnessrl.services.gateway.open_episodes import EpisodeBook, OpenEpisode
-from harnessrl.services.gateway.session_arms import SessionCalls, route
+from harnessrl.services.gateway.session_arms import SessionCalls, call_status
 from harnessrl.services.gateway.tool_markup import Answer, ChatParts, chat_answer
 from harnessrl.services.gateway.versions import EngineVersions
 from harnessrl.telemetry import extract_context, span_ids
@@ -251,7 +251,7 @@ class _CallRun:
         life.metrics.calls(self._dialect.kind, self.outcome).inc()
         life.metrics.latency(self._dialect.kind).observe(seconds)
         if self._session is not None:
-            self._session.record(_status(self.outcome, err), seconds * 1000, self._answer)
+            self._session.record(call_status(self.outcome, err), seconds * 1000, self._answer)
 
     async def _encoded(self) -> bytes:
         """The engine request's bytes, its budget fitted to the context."""
@@ -274,7 +274,7 @@ class _CallRun:
             models = self._route(self._session)
 
         def body_for(engine: str) -> bytes:
-            model = models.get(engine)
+            model = models.get(engine.rstrip("/"))
             if not model:
                 return body
             renamed = orjson.loads(body)
@@ -287,15 +287,12 @@ class _CallRun:
         """Engine -> model name for the session's version (session_arms.route); a retired
         version served nowhere is given up for stable, once, loudly."""
         life = self._life
-        assert session.version is not None
-        chosen = route(
-            session.version,
+        chosen = session.route_call(
             life.engines.versions.serving(),
             life.engines.rollout.state,
             retry_after_s=life.settings.pause_retry_after_s,
         )
         if chosen.switched_from is not None:
-            session.version = chosen.version
             life.metrics.version_switches.inc()
             log.warning(
                 "session version retired and served nowhere; the session is served from "
@@ -427,7 +424,7 @@ class _CallRun:
             api=self._dialect.api,
             model=self._call.model,
             stream=self._call.stream,
-            policy_version=policy_version(header, self._versions.get(engine, 0)),
+            policy_version=policy_version(header, self._versions.get(engine.rstrip("/"), 0)),
             engine=engine,
             temperature=float(self._upstream.get("temperature", 1.0)),
             top_p=float(self._upstream.get("top_p", 1.0)),
@@ -461,19 +458,3 @@ class _CallRun:
                 }
             )
         self.outcome = "ok"
-
-
-def _status(outcome: str, err: BaseException | None) -> int:
-    """The HTTP status a call was answered with, for a session's guard stats: an engine's
-    failure mid-stream counts as a 502, a harness that left as 499 (no failure)."""
-    if isinstance(err, (GatewayError, UpstreamError)):
-        return err.status
-    if outcome == "ok":
-        return 200
-    if outcome.startswith("engine_") and outcome[7:].isdigit():
-        return int(outcome[7:])
-    if outcome in ("engine_error", "engine_cut"):
-        return 502
-    if outcome == "aborted" or (err is not None and not isinstance(err, Exception)):
-        return 499
-    return 500

@@ -184,6 +184,11 @@ class GatewayService:
                 "engines": section.engines,
                 "engine_model": engine_model,
                 "engine_versions": dict(self.versions.snapshot()),
+                "engine_serving": {
+                    engine: {str(v): model for v, model in sorted(served.items())}
+                    for engine, served in self.versions.serving().items()
+                },
+                "rollout": describe(self.rollout.state),
             },
         )
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from harnessrl.rollout import Rollout
+from harnessrl.services.gateway.engines import UpstreamError
 from harnessrl.services.gateway.errors import GatewayError
 from harnessrl.services.gateway.tool_markup import Answer
 from harnessrl.services.gateway.versions import Served
@@ -68,8 +69,15 @@ class SessionCalls:
     arm: str = ""
     """Its arm ("stable" | "candidate"; "" when it has none)."""
     stats: pb.SessionStats = field(default_factory=pb.SessionStats)
-    switched: bool = False
-    """Its version was given up for stable (counted once)."""
+
+    def route_call(self, serving: Served, state: Rollout, *, retry_after_s: float) -> Route:
+        """Where its next call goes (`route`); a version given up for stable stays given up
+        (`version` becomes stable). Raises GatewayError 503 as `route` does."""
+        assert self.version is not None
+        chosen = route(self.version, serving, state, retry_after_s=retry_after_s)
+        if chosen.switched_from is not None:
+            self.version = chosen.version
+        return chosen
 
     def record(self, status: int, latency_ms: float, answer: Answer | None) -> None:
         """One call answered with HTTP `status` after `latency_ms`; `answer`: what the engine's
@@ -85,3 +93,20 @@ class SessionCalls:
         )
         stats.latency_ms_sum += latency_ms
         stats.latency_ms_max = max(stats.latency_ms_max, latency_ms)
+
+
+def call_status(outcome: str, err: BaseException | None) -> int:
+    """The HTTP status a call was answered with (lifecycle.py's outcome, or what it raised),
+    for the guard stats: an engine failing mid-stream counts as 502, a harness that left as
+    499 (no failure)."""
+    if isinstance(err, (GatewayError, UpstreamError)):
+        return err.status
+    if outcome == "ok":
+        return 200
+    if outcome.startswith("engine_") and outcome[7:].isdigit():
+        return int(outcome[7:])
+    if outcome in ("engine_error", "engine_cut"):
+        return 502
+    if outcome == "aborted" or (err is not None and not isinstance(err, Exception)):
+        return 499
+    return 500

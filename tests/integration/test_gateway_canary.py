@@ -268,6 +268,14 @@ async def test_sessions_keep_their_arm_and_version_across_a_gateway_restart(
     await _ask(gateway, arms["candidate"][0])
 
     async with httpx.AsyncClient() as http:
+        status = (
+            await http.get(
+                f"http://127.0.0.1:{service.port}/admin/status",
+                headers={"authorization": f"Bearer {ADMIN}"},
+            )
+        ).json()
+        assert status["rollout"]["stable"] == 2 and status["rollout"]["candidate"] is None
+        assert status["engine_serving"][lora.url] == {"1": "policy-v1", "2": "policy-v2"}
         for session in [*arms["stable"], *arms["candidate"], "after-promotion"]:
             ended = await http.post(
                 f"http://127.0.0.1:{service.port}/sessions/{session}/end",
@@ -276,6 +284,12 @@ async def test_sessions_keep_their_arm_and_version_across_a_gateway_restart(
             assert ended.status_code == 200, ended.text
     await gateway.stop()
 
+    await _assert_sticky(broker, arms)
+
+
+async def _assert_sticky(broker: EmbeddedBroker, arms: dict[str, list[str]]) -> None:
+    """Each session's EpisodeStarted and EpisodeFinished name its arm and version, every
+    captured call of it was served by that version, and its guard stats add up."""
     episodes = [e for _, e in await events_on(broker.bootstrap, events.EPISODES)]
     started = {e.group_id: e.session for e in episodes if isinstance(e, pb.EpisodeStarted)}
     finished = {e.group_id: e.session for e in episodes if isinstance(e, pb.EpisodeFinished)}

@@ -16,11 +16,10 @@ from harnessrl.production import AppSpec, ProductionSection, key_digest
 from harnessrl.rollout import CanarySection, RolloutState
 from harnessrl.services.gateway.engines import EnginePool
 from harnessrl.services.gateway.errors import GatewayError
-from harnessrl.services.gateway.lifecycle import _status
 from harnessrl.services.gateway.metrics import GatewayMetrics
 from harnessrl.services.gateway.open_episodes import EpisodeBook, Restored
 from harnessrl.services.gateway.production_sessions import ProductionSessions
-from harnessrl.services.gateway.session_arms import SessionCalls, route
+from harnessrl.services.gateway.session_arms import SessionCalls, call_status, route
 from harnessrl.services.gateway.tool_markup import Answer, ChatParts, chat_answer
 from harnessrl.services.gateway.versions import EngineVersions
 from harnessrl.v1 import events_pb2 as pb
@@ -241,6 +240,11 @@ def test_a_retired_version_served_nowhere_is_served_from_stable() -> None:
     assert (switched.version, switched.switched_from, switched.engines) == (1, 2, {A: "v1"})
     with pytest.raises(GatewayError):
         route(2, {A: {3: "v3"}}, rollout.state, retry_after_s=1)  # nor stable: retry
+    # The session gives its version up once, and stays on stable even if 2 came back.
+    calls = SessionCalls(version=2, arm="candidate")
+    assert calls.route_call({A: {1: "v1"}}, rollout.state, retry_after_s=1).switched_from == 2
+    again = calls.route_call({A: {1: "v1", 2: "v2"}}, rollout.state, retry_after_s=1)
+    assert (calls.version, again.version, again.switched_from) == (1, 1, None)
 
 
 def test_guard_stats_count_errors_unparsed_tool_calls_and_the_last_answer() -> None:
@@ -278,10 +282,10 @@ def test_a_streamed_answer_is_read_from_its_deltas() -> None:
 
 
 def test_a_calls_status_for_the_guards() -> None:
-    assert _status("ok", None) == 200
-    assert _status("engine_500", None) == 500
-    assert _status("engine_error", None) == 502
-    assert _status("aborted", None) == 499
-    assert _status("error", GatewayError(503, "x")) == 503
-    assert _status("error", asyncio.CancelledError()) == 499
-    assert _status("error", RuntimeError("x")) == 500
+    assert call_status("ok", None) == 200
+    assert call_status("engine_500", None) == 500
+    assert call_status("engine_error", None) == 502
+    assert call_status("aborted", None) == 499
+    assert call_status("error", GatewayError(503, "x")) == 503
+    assert call_status("error", asyncio.CancelledError()) == 499
+    assert call_status("error", RuntimeError("x")) == 500
