@@ -42,6 +42,7 @@ class RolloutWatch:
         self._fold = RolloutState()
         self._kept: frozenset[int] | None = None
         """The versions protected and archived by the last `keep` (None: never kept)."""
+        self._keeping = asyncio.Lock()
         self._seen: set[str] = set()
         """Decision ids folded, applied or refused: the trainer reads hrl.policy's history at
         start and then consumes it from its group's offsets, so it may see a decision
@@ -100,23 +101,28 @@ class RolloutWatch:
         yet, and remove archived versions no longer needed (idempotent; file work in a
         worker thread). A needed version neither held nor archived is logged: engines that
         do not have it cannot get it, and the trainer cannot rewind to it."""
-        needed = self.needed()
-        if needed == self._kept:
-            return
-        server.protect(needed)
-        archived = set(await asyncio.to_thread(self.archive.versions))
-        for version in sorted(needed - archived):
-            published = server.published(version)
-            if published is None:
+        async with self._keeping:  # one at a time: the consumer's and the start's
+            needed = self.needed()
+            if needed == self._kept:
+                return
+            server.protect(needed)
+            archived = set(await asyncio.to_thread(self.archive.versions))
+            missing = []
+            for version in sorted(needed - archived):
+                published = server.published(version)
+                if published is None:
+                    missing.append(version)
+                    continue
+                await asyncio.to_thread(self.archive.save, *published)
+            await asyncio.to_thread(self.archive.keep, needed)
+            if missing:  # tried again next time (the trainer may be about to publish it)
                 log.warning(
-                    "a version the rollout needs is neither held nor archived",
-                    version=version,
+                    "versions the rollout needs are neither held nor archived",
+                    versions=missing,
                     archive=str(self.archive.root),
                 )
-                continue
-            await asyncio.to_thread(self.archive.save, *published)
-        await asyncio.to_thread(self.archive.keep, needed)
-        self._kept = needed
+            else:
+                self._kept = needed
 
     async def restore(self, server: WeightSyncServer) -> list[int]:
         """Serve the archived versions the rollout needs again (a trainer that restarted:

@@ -276,3 +276,21 @@ def test_a_rewind_to_weights_of_another_model_changes_nothing(
     with pytest.raises(ValueError, match="mis-shaped"):
         policy.rewind(tmp_path / WEIGHTS)
     assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
+
+
+async def test_a_needed_version_published_after_it_was_needed_is_archived_then(
+    tmp_path: Path,
+) -> None:
+    """At start the consumer may fold the trainer's version before it is served again."""
+    archive = VersionArchive(tmp_path / "versions")
+    watch = RolloutWatch(archive)
+    _announce(watch, 0)
+    server = WeightSyncServer(WeightSyncSettings(port=0))
+    await watch.keep(server)
+    assert archive.versions() == []
+    await server.publish(0, 0, {"a": torch.ones(2)})
+    await watch.keep(server)
+    assert archive.versions() == [0]
+    manifest, tensors = archive.load(0)
+    assert manifest.version == 0 and torch.equal(tensors["a"], torch.ones(2))
+    await server.stop()
