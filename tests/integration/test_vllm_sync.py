@@ -23,6 +23,8 @@ from harnessrl import events
 from harnessrl.broker import EmbeddedBroker
 from harnessrl.bus import Producer
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
+from harnessrl.production import ProductionSection
+from harnessrl.rollout import CanarySection
 from harnessrl.runtime import Runtime
 from harnessrl.services.inference.config import VllmSyncConfig, VllmSyncSection
 from harnessrl.services.inference.vllm_server import VllmUnusable
@@ -66,16 +68,18 @@ async def running_sync(
     url: str,
     *,
     instance: str = "vllm-sync-0",
+    canary: bool = False,
     **section: Any,
 ) -> AsyncIterator[tuple[VllmSyncService, CollectorRegistry]]:
     """A VllmSyncService for the vLLM at `url`, checking it every 0.3 s (`section`: more
-    vllm_sync settings)."""
+    vllm_sync settings; `canary`: production.canary.enabled)."""
     config = VllmSyncConfig(
         instance=instance,
         kafka=KafkaSettings(bootstrap_servers=broker.bootstrap, partitions=3),
         consumer=ConsumerSettings(**FAST_GROUP, retry_backoff_ms=50),
         producer=ProducerSettings(spill_dir=tmp_path / f"spill-{instance}"),
         vllm_sync=VllmSyncSection(port=0, vllm_url=url, check_interval_s=0.3, **section),
+        production=ProductionSection(canary=CanarySection(enabled=canary)),
     )
     registry = CollectorRegistry()
     service = VllmSyncService(config, Runtime("vllm-sync", instance, registry, TracerProvider()))
@@ -408,3 +412,130 @@ async def test_a_vllm_without_runtime_lora_updating_refuses_naming_the_setting(
             assert not (tmp_path / "a" / "policy-v1").exists()
     finally:
         await vllm.stop()
+
+
+# -- a canary rollout (production.canary.enabled) ----------------------------------------------
+
+
+async def _policy(broker: EmbeddedBroker, tmp_path: Path, *items: Any) -> None:
+    """Publish trainer and judge events on hrl.policy, in order."""
+    producer = Producer(
+        KafkaSettings(bootstrap_servers=broker.bootstrap),
+        ProducerSettings(spill_dir=tmp_path / "judge-spill"),
+        name="judge/test",
+    )
+    await producer.start()
+    for item in items:
+        await producer.publish(item)
+    await producer.stop()
+
+
+def _announced(address: str, version: int, base: int | None = None) -> pb.PolicyVersion:
+    event = pb.PolicyVersion(version=version, step=version, weightsync_address=address)
+    if base is not None:
+        event.base = base
+    return event
+
+
+def _decided(action: int, version: int, stable: int) -> pb.RolloutDecision:
+    return pb.RolloutDecision(
+        decision_id=f"{action}-{version}-{stable}",
+        action=action,
+        version=version,
+        stable=stable,
+        actor="canary",
+        share=0.25,
+    )
+
+
+async def _serving(broker: EmbeddedBroker, versions: dict[int, str]) -> pb.PolicyLoaded:
+    """The first PolicyLoaded(ok) whose `serving` is exactly `versions`, once there."""
+
+    def match(event: pb.PolicyLoaded) -> bool:
+        return event.ok and {s.version: s.model for s in event.serving} == versions
+
+    async def arrived() -> bool:
+        return any(match(e) for e in await _loaded(broker))
+
+    await eventually(arrived, timeout=60, interval=0.2)
+    return next(e for e in await _loaded(broker) if match(e))
+
+
+async def test_during_a_canary_the_stable_and_candidate_adapters_are_never_unloaded(
+    broker: EmbeddedBroker,
+    trainer: WeightSyncServer,
+    lora_vllm: StandInLoraVllm,
+    tmp_path: Path,
+) -> None:
+    for version in (1, 2, 3):
+        await _publish_adapter(trainer, version)
+    address = trainer.address
+    async with running_sync(
+        broker,
+        tmp_path,
+        lora_vllm.url,
+        canary=True,
+        lora_name="policy",
+        adapter_dir=tmp_path / "a",
+        keep_adapters=1,
+    ) as (service, _):
+        await asyncio.wait_for(service.ready.wait(), 30)
+        await _policy(
+            broker,
+            tmp_path,
+            _announced(address, 0),
+            _announced(address, 1),
+            _decided(pb.ROLLOUT_ACTION_START, 1, 0),
+            _decided(pb.ROLLOUT_ACTION_PROMOTE, 1, 0),
+            _announced(address, 2),
+            _announced(address, 3),
+            _decided(pb.ROLLOUT_ACTION_START, 2, 1),
+        )
+        # stable 1, candidate 2, current 3: all three, though keep_adapters is 1
+        await _serving(broker, {1: "policy-v1", 2: "policy-v2", 3: "policy-v3"})
+        assert sorted(lora_vllm.adapters) == ["policy-v1", "policy-v2", "policy-v3"]
+
+        lora_vllm.restart()  # its adapters are gone: the next check loads them all again
+        await eventually(
+            lambda: sorted(lora_vllm.adapters) == ["policy-v1", "policy-v2", "policy-v3"],
+            timeout=60,
+            interval=0.2,
+        )
+
+        # rolled back: 2 and 3 (trained from 2) are retired and unloaded
+        await _policy(broker, tmp_path, _decided(pb.ROLLOUT_ACTION_ROLLBACK, 2, 1))
+        await _serving(broker, {1: "policy-v1"})
+        assert list(lora_vllm.adapters) == ["policy-v1"]
+
+
+async def test_during_a_canary_a_full_weight_vllm_serves_its_follow_label(
+    broker: EmbeddedBroker,
+    weightsync: WeightSyncServer,
+    vllm: StandInVllmServer,
+    tmp_path: Path,
+) -> None:
+    for version in (1, 2):
+        await weightsync.publish(version, version, state_dict(seed=version))
+    address = weightsync.address
+    async with running_sync(broker, tmp_path, vllm.url, canary=True, follow="candidate") as (
+        service,
+        _,
+    ):
+        await asyncio.wait_for(service.ready.wait(), 30)
+        await _policy(
+            broker,
+            tmp_path,
+            _announced(address, 0),
+            _announced(address, 1),
+            _announced(address, 2),
+        )
+        await _serving(broker, {2: ""})  # no candidate: the current version
+        await _policy(broker, tmp_path, _decided(pb.ROLLOUT_ACTION_START, 1, 0))
+
+        async def candidate_reported() -> bool:
+            last = (await _loaded(broker))[-1]
+            return last.ok and {s.version: s.model for s in last.serving} == {1: ""}
+
+        await eventually(candidate_reported, timeout=60, interval=0.2)  # older than current
+        assert [e.version for e in await _loaded(broker)] == [1, 2, 1]
+        assert await service.vllm.check() == 1  # what vLLM's workers serve
