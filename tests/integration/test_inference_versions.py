@@ -13,6 +13,7 @@ import openai
 import pytest
 import pytest_asyncio
 import torch
+from openai.types.chat import ChatCompletionMessageParam
 
 from harnessrl.services.inference.service import InferenceService
 from harnessrl.v1 import weights_pb2 as pb
@@ -22,7 +23,7 @@ from tests.model_helpers import TINY
 pytestmark = pytest.mark.integration
 
 SPEC = pb.LoraAdapter(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
-QUESTION = [{"role": "user", "content": "Hello"}]
+QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello"}]
 
 
 def _adapter(model: Any, seed: int) -> dict[str, torch.Tensor]:
@@ -65,7 +66,7 @@ async def test_each_served_version_is_listed_and_asked_for_by_its_name(
             model=model,
             messages=QUESTION,
             max_tokens=3,
-            temperature=0,  # type: ignore[arg-type]
+            temperature=0,
         )
         assert response.headers["x-policy-version"] == version, model
         assert response.parse().model == model
@@ -109,7 +110,7 @@ async def test_a_version_not_served_is_a_404_naming_the_model(
     url, _ = served
     client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
     with pytest.raises(openai.NotFoundError) as raised:
-        await client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2)  # type: ignore[arg-type]
+        await client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2)
     body: Any = raised.value.body
     assert body["message"] == says
     assert (body["param"], body["code"], body["type"]) == (
