@@ -5,12 +5,14 @@ RolloutDecision) with harnessrl.rollout's `RolloutState`, as every service does,
 publishes the automatic decisions (actor "canary") on hrl.policy:
 
 - START: no candidate pending, not pinned, and the trainer's newest live version
-  (`Rollout.current`) is newer than stable: it becomes the candidate with `canary.share`.
+  (`Rollout.current`) is newer than stable (at least `after_versions` past it along its
+  line): it becomes the candidate with `canary.share`.
 - PROMOTE or ROLLBACK: by trust/canary's rule, from the sessions that ended while this
   candidate was pending (`SessionInfo.canary`), each counted in its arm with the guards it
   failed (`rollout.session_failures`) when it ends, and its reward (the session's decided
-  feedback reward, RewardAssigned on hrl.rewards) when that is decided; a session decided
-  without a reward counts for its guards only. The evidence is the decision's canonical
+  feedback reward, RewardAssigned on hrl.rewards, or with `signals` the mean of those
+  signals alone, such as a held-out outcome) when that is decided; a session decided
+  without one counts for its guards only. The evidence is the decision's canonical
   JSON.
 - ROLLBACK "load_failed": an engine reported it could not load the candidate
   (PolicyLoaded ok=false), its error in the evidence.
@@ -28,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterable, Awaitable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeAlias, TypeVar
 
@@ -51,6 +53,7 @@ from harnessrl.rollout import (
 )
 from harnessrl.services.reward.canary_store import CanaryStore, Observation
 from harnessrl.trust.canary import ARMS, Canary, CanaryConfig, CanaryDecision, evidence
+from harnessrl.trust.feedback import Signal, session_reward
 from harnessrl.v1 import events_pb2 as pb
 
 log = get_logger(__name__)
@@ -106,13 +109,47 @@ class CanaryMetrics:
         )
 
 
-def reward_bounds(feedback: FeedbackSection) -> tuple[float, float]:
-    """The range every session reward lies in: the least `min` and the largest `max` of the
-    feedback signals (a reward is a weighted mean of signal values)."""
-    rules = feedback.signals.values()
+def reward_bounds(
+    feedback: FeedbackSection, names: Sequence[str] | None = None
+) -> tuple[float, float]:
+    """The range every reward the canary compares lies in: the least `min` and the largest
+    `max` of the feedback signals it is made of (`names`, else all; a reward is a weighted
+    mean of signal values). Raises ValueError naming the setting that names none, or an
+    unknown signal."""
+    unknown = sorted(set(names or ()) - set(feedback.signals))
+    if unknown:
+        raise ValueError(f"production.canary.signals: {unknown} are not feedback signals")
+    rules = [r for n, r in feedback.signals.items() if names is None or n in names]
     if not rules:
         raise ValueError("production.feedback.signals: the canary judges rewards; name a signal")
     return min(r.min for r in rules), max(r.max for r in rules)
+
+
+def canary_reward(
+    reward: pb.RewardAssigned, feedback: FeedbackSection, names: Sequence[str] | None
+) -> float | None:
+    """What the canary compares of a decided session: its reward, or with `names` the
+    weighted mean of those signals alone (a held-out outcome, `train: false`, that the
+    policy is never paid for, so it cannot game its own release); None when it has none."""
+    if names is None:
+        return None if reward.missing else reward.value
+    counted = [
+        Signal(
+            s.name, s.value, s.response_id, s.idempotency_key, s.received_at.ToNanoseconds() / 1e9
+        )
+        for s in reward.signals
+    ]
+    return session_reward(counted, feedback, names).value
+
+
+def steps_past(state: Rollout, version: int) -> int:
+    """How many versions `version` is past stable along the versions it was trained from
+    (its version difference when its line does not reach stable)."""
+    assert state.stable is not None
+    steps, current = 0, version
+    while current != state.stable and current in state.bases and steps <= len(state.bases):
+        current, steps = state.bases[current], steps + 1
+    return steps if current == state.stable else version - state.stable
 
 
 class CanaryJudge:
@@ -127,10 +164,19 @@ class CanaryJudge:
         publish: Publish,
         metrics: CanaryMetrics,
         *,
+        signals: Sequence[str] | None = None,
+        after_versions: int = 1,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        if after_versions < 1:
+            raise ValueError(f"candidate_after_versions: {after_versions} is not >= 1")
         self._section = section
-        self.rule: CanaryConfig = section.rule(*reward_bounds(feedback))
+        self._feedback = feedback
+        self._signals = signals
+        """The signals the arms are compared on (None: the session's reward)."""
+        self._after_versions = after_versions
+        """A version becomes the candidate this many versions past stable."""
+        self.rule: CanaryConfig = section.rule(*reward_bounds(feedback, signals))
         self._store = store
         self._publish = publish
         self.metrics = metrics
@@ -216,7 +262,8 @@ class CanaryJudge:
         session is recorded here and not decided before, then decide what is due."""
         if not event.HasField("session"):
             return
-        reward = None if event.missing else self._bounded(event.value, event.group_id)
+        value = canary_reward(event, self._feedback, self._signals)
+        reward = None if value is None else self._bounded(value, event.group_id)
         observation = await self._call(CanaryStore.decided, event.group_id, reward)
         if observation is None:
             return
@@ -242,6 +289,7 @@ class CanaryJudge:
                 and current is not None
                 and state.stable is not None
                 and current > state.stable
+                and steps_past(state, current) >= self._after_versions
             ):
                 await self._decide(pb.ROLLOUT_ACTION_START, current, "new version", b"")
             return

@@ -16,7 +16,12 @@ from prometheus_client import CollectorRegistry
 
 from harnessrl.production import FeedbackSection, SignalRule, session_group
 from harnessrl.rollout import CanarySection, GuardSection
-from harnessrl.services.reward.canary_judge import CanaryJudge, CanaryMetrics, reward_bounds
+from harnessrl.services.reward.canary_judge import (
+    CanaryJudge,
+    CanaryMetrics,
+    canary_reward,
+    reward_bounds,
+)
 from harnessrl.services.reward.canary_store import CanaryStore
 from harnessrl.v1 import events_pb2 as pb
 
@@ -62,19 +67,20 @@ class Topic:
             await judge.on_policy(self.events[self.delivered - 1])
 
 
-def make_judge(tmp_path: Path, topic: Topic, section: CanarySection = SECTION) -> CanaryJudge:
+def make_judge(tmp_path: Path, topic: Topic, **options: Any) -> CanaryJudge:
     return CanaryJudge(
-        section,
+        SECTION,
         FEEDBACK,
         CanaryStore(tmp_path / "store"),
         topic.publish,
         CanaryMetrics(CollectorRegistry()),
         clock=lambda: NOW,
+        **options,
     )
 
 
-async def started(tmp_path: Path, topic: Topic, section: CanarySection = SECTION) -> CanaryJudge:
-    judge = make_judge(tmp_path, topic, section)
+async def started(tmp_path: Path, topic: Topic, **options: Any) -> CanaryJudge:
+    judge = make_judge(tmp_path, topic, **options)
     topic.delivered = len(topic.events)  # folded by start, along with what it publishes
     await judge.start(topic.history())
     await topic.deliver(judge)
@@ -342,3 +348,49 @@ async def test_a_version_that_failed_to_load_before_its_start_is_rolled_back_onc
     topic.events += [version(0), failed, version(1)]
     await started(tmp_path, topic)
     assert actions(topic) == [("start", 1, "new version"), ("rollback", 1, "load_failed")]
+
+
+def with_signals(value: float | None, **signals: float) -> pb.RewardAssigned:
+    reward = rewarded(1, value)
+    for name, v in signals.items():
+        reward.signals.add(name=name, value=v, idempotency_key=f"k-{name}")
+    return reward
+
+
+def test_the_canary_compares_the_reward_or_only_the_signals_it_names() -> None:
+    both = with_signals(0.75, thumbs=1.0, resolved=0.5)
+    assert canary_reward(both, FEEDBACK, None) == 0.75
+    assert canary_reward(both, FEEDBACK, ["resolved"]) == 0.5
+    assert canary_reward(with_signals(None, resolved=-0.5), FEEDBACK, ["resolved"]) == -0.5
+    assert canary_reward(with_signals(None, thumbs=1.0), FEEDBACK, ["resolved"]) is None
+    assert canary_reward(with_signals(None), FEEDBACK, None) is None
+    assert reward_bounds(FEEDBACK, ["resolved"]) == (-0.5, 0.5)
+    with pytest.raises(ValueError, match=r"production\.canary\.signals: \['stars'\]"):
+        reward_bounds(FEEDBACK, ["stars"])
+
+
+async def test_a_judge_on_a_held_out_signal_counts_that_signal(tmp_path: Path) -> None:
+    topic = Topic()
+    topic.events += [version(0), version(1)]
+    judge = await started(tmp_path, topic, signals=["resolved"])
+    assert (judge.rule.low, judge.rule.high) == (-0.5, 0.5)
+    await judge.on_finished(finished(1, "candidate"))
+    await judge.on_reward(with_signals(1.0, thumbs=1.0, resolved=-0.5))
+    assert judge.canary is not None
+    assert judge.canary.arms["candidate"].reward_sum == -0.5
+
+
+async def test_a_candidate_is_started_only_far_enough_past_stable_along_its_line(
+    tmp_path: Path,
+) -> None:
+    topic = Topic()
+    topic.events += [version(0), version(1), version(2)]
+    judge = await started(tmp_path, topic, after_versions=3)
+    assert topic.published == []
+    await topic.deliver(judge, version(3))
+    assert actions(topic) == [("start", 3, "new version")]
+    failed = pb.PolicyLoaded(version=3, engine="e", ok=False, error="checksum")
+    await topic.deliver(judge, failed, version(4), version(5, base=0), version(6), version(7))
+    assert actions(topic)[1:] == [("rollback", 3, "load_failed"), ("start", 7, "new version")]
+    with pytest.raises(ValueError, match="candidate_after_versions"):
+        make_judge(tmp_path / "other", Topic(), after_versions=0)
