@@ -35,7 +35,7 @@ from harnessrl.episode_token import EpisodeClaims
 from harnessrl.http import Request, Response, SseDecoder, StreamingResponse
 from harnessrl.http.errors import ConnectionClosedError
 from harnessrl.logs import get_logger
-from harnessrl.rollout import RolloutState
+from harnessrl.rollout import Rollout, RolloutState
 from harnessrl.services.gateway.budget import Budget
 from harnessrl.services.gateway.config import GatewaySection
 from harnessrl.services.gateway.control import Gate
@@ -104,8 +104,13 @@ class Engines:
         self.model = model
         """The model name the engines are asked for."""
         self.versions = versions
-        self.rollout = rollout if rollout is not None else RolloutState()
-        """The canary rollout, for the versions production sessions were assigned."""
+        self.rollout = rollout
+        """The canary rollout (with production.canary.enabled): calls of no session's
+        version are asked for its current version, the newest not rolled back."""
+
+    def current(self) -> Rollout:
+        """The rollout's state now (empty without one)."""
+        return self.rollout.state if self.rollout is not None else Rollout()
 
 
 class Lifecycle:
@@ -268,10 +273,13 @@ class _CallRun:
         """Take the engines' versions as of now; the body for each engine names the model
         its version is served under, when it reported one (a LoRA adapter in vLLM). A
         session with a version is sent only to engines serving it, under its name there."""
-        versions = self._life.engines.versions
-        self._versions, models = versions.snapshot(), versions.models()
+        engines = self._life.engines
+        self._versions = engines.versions.snapshot()
+        models = engines.versions.models()
         if self._session is not None and self._session.version is not None:
             models = self._route(self._session)
+        elif engines.rollout is not None:
+            models = self._current(models)
 
         def body_for(engine: str) -> bytes:
             model = models.get(engine.rstrip("/"))
@@ -283,13 +291,28 @@ class _CallRun:
 
         return body_for
 
+    def _current(self, models: Mapping[str, str]) -> Mapping[str, str]:
+        """In a rollout, a call of no session's version asks each engine for the highest
+        version it serves that was not rolled back: an engine keeping a rolled-back one
+        for the sessions it serves is not asked for it (the trainer drops its samples)."""
+        state = self._life.engines.current()
+        versions = dict(self._versions)
+        chosen = dict(models)
+        for engine, served in self._life.engines.versions.serving().items():
+            kept = [v for v in served if not state.retired(v)]
+            if kept and max(kept) != versions.get(engine):
+                versions[engine] = max(kept)
+                chosen[engine] = served[max(kept)]
+        self._versions = versions
+        return chosen
+
     def _route(self, session: SessionCalls) -> Mapping[str, str]:
         """Engine -> model name for the session's version (session_arms.route); a retired
         version served nowhere is given up for stable, once, loudly."""
         life = self._life
         chosen = session.route_call(
             life.engines.versions.serving(),
-            life.engines.rollout.state,
+            life.engines.current(),
             retry_after_s=life.settings.pause_retry_after_s,
         )
         if chosen.switched_from is not None:

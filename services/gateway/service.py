@@ -158,10 +158,11 @@ class GatewayService:
         context = section.max_model_len
         if context is None and listing is not None:
             context = context_of(orjson.dumps(listing))
+        rollout = self.rollout if self._config.production.canary.enabled else None
         return Lifecycle(
             section,
             admission=CallAdmission(self.book, self.gate, self.recovery),
-            engines=Engines(pool, model=engine_model, versions=self.versions, rollout=self.rollout),
+            engines=Engines(pool, model=engine_model, versions=self.versions, rollout=rollout),
             budget=Budget(pool, policy=section.max_tokens_policy, context=context, metrics=metrics),
             producer=self._bus.producer,
             metrics=metrics,

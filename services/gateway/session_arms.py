@@ -40,12 +40,12 @@ def route(version: int, serving: Served, state: Rollout, *, retry_after_s: float
     """The engines for a call of a session assigned `version`. Raises GatewayError 503 (with
     Retry-After) when no engine serves it now and it is not retired, or when it is retired
     and no engine serves stable either."""
-    engines = _serving(version, serving)
+    engines = serving_engines(version, serving)
     if engines:
         return Route(version, engines)
     stable = state.stable
     if state.retired(version) and stable is not None and stable != version:
-        engines = _serving(stable, serving)
+        engines = serving_engines(stable, serving)
         if engines:
             return Route(stable, engines, switched_from=version)
     raise GatewayError(
@@ -56,7 +56,8 @@ def route(version: int, serving: Served, state: Rollout, *, retry_after_s: float
     )
 
 
-def _serving(version: int, serving: Served) -> dict[str, str]:
+def serving_engines(version: int, serving: Served) -> dict[str, str]:
+    """Engine URL -> model name, of the engines serving `version`."""
     return {engine: models[version] for engine, models in serving.items() if version in models}
 
 

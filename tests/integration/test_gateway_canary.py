@@ -12,6 +12,7 @@ wrong name would be stamped with the wrong version, or refused."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from harnessrl.bench import calculator_standin
 from harnessrl.broker import EmbeddedBroker
 from harnessrl.bus import Producer
 from harnessrl.config import ConsumerSettings, KafkaSettings, ProducerSettings
+from harnessrl.episode_token import EpisodeClaims, mint
 from harnessrl.http import HttpServer, Request, Response
 from harnessrl.production import AppSpec, ProductionSection, key_digest
 from harnessrl.rollout import CanarySection, RolloutState
@@ -311,3 +313,36 @@ async def _assert_sticky(broker: EmbeddedBroker, arms: dict[str, list[str]]) -> 
     assert stats.latency_ms_max > 0 and stats.latency_ms_sum >= stats.latency_ms_max
     other = finished[f"s.support.{arms['stable'][0]}"].stats
     assert (other.calls, other.errors, other.answered) == (2, 0, True)
+
+
+async def test_a_controller_episode_is_not_served_a_rolled_back_version_an_engine_keeps(
+    broker: EmbeddedBroker, engines: tuple[VersionedEngine, VersionedEngine], tmp_path: Path
+) -> None:
+    """An engine keeps rolled-back version 2 for the sessions it serves; a controller's
+    episode is asked for the newest version not rolled back (1) under that engine's name."""
+    lora, _ = engines
+    await _publish(
+        broker,
+        tmp_path,
+        pb.PolicyVersion(version=1),
+        pb.PolicyVersion(version=2, base=1),
+        _decision("start-2", pb.ROLLOUT_ACTION_START, 2, 1),
+        _decision("rollback-2", pb.ROLLOUT_ACTION_ROLLBACK, 2, 1),
+        _served(lora.url, (1, "policy-v1"), (2, "policy-v2")),
+    )
+    gateway = Gateway(broker, tmp_path, [lora.url])
+    service = await gateway.start()
+    try:
+        await eventually(lambda: service.rollout.state.rolled_back == {2})
+        await eventually(lambda: lora.url in service.versions.serving())
+        claims = EpisodeClaims("ep-1", 1, "g-1", "train", time.time() + 300)
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{service.port}/e/{mint(claims, SECRET.encode())}/v1",
+            api_key="k",
+            max_retries=0,
+        )
+        await client.chat.completions.create(model="m", messages=QUESTION, max_tokens=16)
+    finally:
+        await gateway.stop()
+    assert lora.asked == [("policy-v1", 1)]
+    assert (await _served_versions(broker, 1)) == {"g-1": {1}}
