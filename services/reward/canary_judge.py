@@ -188,6 +188,11 @@ class CanaryJudge:
         """Version -> evidence of the first engine that failed to load it."""
         self._in_flight: set[str] = set()
         """Ids published and not yet folded back (not published again meanwhile)."""
+        self._refused_at_start: set[bytes] = set()
+        """Decisions the history refused, as their bytes: the consumer that follows the
+        history may deliver those records again, and a record refused where it stands must
+        not apply against a later state (a copy published again, with its own decided_at,
+        is judged where it lands)."""
         self._started = False
         self._closed = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="canary-store")
@@ -356,8 +361,13 @@ class CanaryJudge:
             self._fold.announced(event)
         elif isinstance(event, pb.RolloutDecision):
             self._in_flight.discard(event.decision_id)
+            data = event.SerializeToString(deterministic=True)
+            if self._started and data in self._refused_at_start:
+                return  # that record again, after the history folded it
             refused = self._fold.decided(event)
-            if refused is not None and self._started:
+            if refused is not None and not self._started:
+                self._refused_at_start.add(data)
+            elif refused is not None:
                 log.info("rollout decision refused", decision_id=event.decision_id, why=refused)
         elif not event.ok and int(event.version) not in self._load_failures:
             proof = {"engine": event.engine, "error": event.error, "version": event.version}

@@ -394,3 +394,28 @@ async def test_a_candidate_is_started_only_far_enough_past_stable_along_its_line
     assert actions(topic)[1:] == [("rollback", 3, "load_failed"), ("start", 7, "new version")]
     with pytest.raises(ValueError, match="candidate_after_versions"):
         make_judge(tmp_path / "other", Topic(), after_versions=0)
+
+
+async def test_a_decision_refused_in_the_history_stays_refused_when_delivered_again(
+    tmp_path: Path,
+) -> None:
+    topic = Topic()
+    stale_pin = pb.RolloutDecision(
+        decision_id="op/pin", action=pb.ROLLOUT_ACTION_PIN, version=0, stable=0, actor="operator:a"
+    )
+    topic.events += [version(0), version(1)]
+    judge = await started(tmp_path, topic)  # starts 1
+    rollback = pb.RolloutDecision(
+        decision_id="op/rb", action=pb.ROLLOUT_ACTION_ROLLBACK, version=1, stable=0, actor="op"
+    )
+    await topic.deliver(judge, stale_pin, rollback)  # the pin is refused: 1 was pending
+    await judge.close()
+    judge = await started(tmp_path, topic)
+    assert judge.state.candidate is None and not judge.state.pinned
+    await judge.on_policy(stale_pin)  # the consumer delivers the record again
+    assert not judge.state.pinned
+    again = pb.RolloutDecision()
+    again.CopyFrom(stale_pin)
+    again.decided_at.FromNanoseconds(5)  # published again: judged where it lands
+    await judge.on_policy(again)
+    assert judge.state.pinned and judge.state.stable == 0
