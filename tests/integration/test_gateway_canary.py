@@ -79,8 +79,16 @@ class VersionedEngine:
             error = {"error": {"message": f"model {body.get('model')!r} is not served"}}
             return Response(404, JSON, orjson.dumps(error))
         self.asked.append((body["model"], version))
-        answer = orjson.dumps(calculator_standin.answer(body))
-        return Response(200, [*JSON, ("x-policy-version", str(version))], answer)
+        answer = calculator_standin.answer(body)
+        served = ("x-policy-version", str(version))
+        if not body.get("stream"):
+            return Response(200, [*JSON, served], orjson.dumps(answer))
+        # The whole answer as one chunk, then [DONE].
+        answer["object"] = "chat.completion.chunk"
+        for choice in answer["choices"]:
+            choice["delta"] = choice.pop("message")
+        events = b"data: " + orjson.dumps(answer) + b"\n\ndata: [DONE]\n\n"
+        return Response(200, [("content-type", "text/event-stream"), served], events)
 
 
 async def _publish(broker: EmbeddedBroker, tmp_path: Path, *published: object) -> None:
@@ -211,10 +219,15 @@ async def _served_versions(broker: EmbeddedBroker, at_least: int) -> dict[str, s
     return versions
 
 
-async def _ask(gateway: Gateway, session: str) -> None:
-    await gateway.client(session).chat.completions.create(
-        model="support-bot", messages=QUESTION, max_tokens=16
+async def _ask(gateway: Gateway, session: str, *, stream: bool = False) -> None:
+    client = gateway.client(session)
+    if not stream:
+        await client.chat.completions.create(model="support-bot", messages=QUESTION, max_tokens=16)
+        return
+    chunks = await client.chat.completions.create(
+        model="support-bot", messages=QUESTION, max_tokens=16, stream=True
     )
+    assert any([c.choices[0].delta.tool_calls async for c in chunks])
 
 
 async def test_sessions_keep_their_arm_and_version_across_a_gateway_restart(
@@ -254,7 +267,7 @@ async def test_sessions_keep_their_arm_and_version_across_a_gateway_restart(
     service = await gateway.start()
     await eventually(lambda: service.rollout.state.stable == 2)
     for session in arms["stable"] + arms["candidate"]:
-        await _ask(gateway, session)
+        await _ask(gateway, session, stream=True)
     await _ask(gateway, "after-promotion")
 
     # Version 2 served nowhere for a moment (its engine reloading): a 503 to retry,
