@@ -7,8 +7,8 @@ responses carry vLLM's extra fields: `prompt_token_ids` and per-choice `token_id
 Log-probs are those of the distribution each token was sampled from, after temperature and
 top-p (vLLM's processed log-probs); the trainer relies on this. Every response carries the
 policy version that served it in the `x-policy-version` header (engine_calls.py). Each
-version the engine serves is also listed, and asked for, as `<served name>@v<version>`; the
-served name itself asks for the newest version served.
+version the engine serves is asked for as `<served name>@v<version>` (and listed so during a
+canary rollout); the served name itself asks for the newest version served.
 """
 
 from __future__ import annotations
@@ -59,14 +59,17 @@ def create_app(
     default_max_tokens: int,
     registry: CollectorRegistry,
     health: Callable[[], dict[str, bool]],
+    list_versions: bool = False,
 ) -> FastAPI:
-    """The API app for one engine. `served_names[0]` is the name models are listed under."""
+    """The API app for one engine. `served_names[0]` is the name models are listed under;
+    `list_versions` (a canary rollout): each version served is listed too."""
     app = FastAPI(title="harnessrl inference engine", docs_url=None, redoc_url=None)
     calls = EngineCalls(engine, codec, served_names, default_max_tokens)
     _answer_errors(app)
 
     @app.get("/v1/models")
     async def models() -> Response:
+        versions = map(calls.version_name, engine.versions) if list_versions else ()
         data = [
             {
                 "id": name,
@@ -75,7 +78,7 @@ def create_app(
                 "owned_by": "harnessrl",
                 "max_model_len": engine.max_model_len,
             }
-            for name in [served_names[0], *map(calls.version_name, engine.versions)]
+            for name in [served_names[0], *versions]
         ]
         return OrjsonResponse({"object": "list", "data": data})
 

@@ -141,6 +141,7 @@ class InferenceService:
             default_max_tokens=section.default_max_tokens,
             registry=self._runtime.registry,
             health=self.health,
+            list_versions=self._config.production.canary.enabled,
         )
         self._server = _Server(app, section.host, section.port)
         async with AsyncExitStack() as stack:

@@ -1,10 +1,12 @@
 """Asking the engine for a policy version by model name, through its real HTTP API and the
-real `openai` SDK: `<served name>@v<N>` is served by version N (the x-policy-version header
-says so), the served name by the newest version served, and a version not served is a 404
-in OpenAI's shape naming the model."""
+real `openai` SDK, during a canary rollout (production.canary.enabled): `<served name>@v<N>`
+is served by version N (the x-policy-version header says so) and listed, the served name by
+the newest version served, and a version not served is a 404 in OpenAI's shape naming the
+model."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,10 +16,15 @@ import pytest
 import pytest_asyncio
 import torch
 from openai.types.chat import ChatCompletionMessageParam
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CollectorRegistry
 
+from harnessrl.production import ProductionSection
+from harnessrl.rollout import CanarySection
+from harnessrl.runtime import Runtime
+from harnessrl.services.inference.config import InferenceConfig, InferenceSection
 from harnessrl.services.inference.service import InferenceService
 from harnessrl.v1 import weights_pb2 as pb
-from tests.integration.test_inference_api import start_engine
 from tests.model_helpers import TINY
 
 pytestmark = pytest.mark.integration
@@ -44,7 +51,14 @@ def _adapter(model: Any, seed: int) -> dict[str, torch.Tensor]:
 @pytest_asyncio.fixture
 async def served() -> AsyncIterator[tuple[str, InferenceService]]:
     """An engine serving version 0 (its base) and the adapter version 1 beside it."""
-    service, task = await start_engine(TINY, max_model_len=512)
+    config = InferenceConfig(
+        inference=InferenceSection(model=TINY, port=0, follow_policy=False, max_model_len=512),
+        production=ProductionSection(canary=CanarySection(enabled=True)),
+    )
+    runtime = Runtime("inference", "test", CollectorRegistry(), TracerProvider())
+    service = InferenceService(config, runtime)
+    task = asyncio.create_task(service.run())
+    await asyncio.wait_for(service.ready.wait(), 60)
     assert service.engine is not None
     await service.engine.add(1, _adapter(service.engine.model, seed=1), SPEC)
     try:
