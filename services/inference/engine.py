@@ -39,8 +39,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from harnessrl.logs import get_logger
 from harnessrl.services.inference.kv import RunningBatch, cache_argument, positions_from_mask
-from harnessrl.services.inference.lora_hooks import LoraOverlay, LoraRows
+from harnessrl.services.inference.lora_hooks import LoraOverlay
 from harnessrl.services.inference.sampling import SamplingParams, generator_for, sample
+from harnessrl.services.inference.served_versions import ServedVersions, copy_full_weights
 from harnessrl.v1 import weights_pb2 as pb
 
 log = get_logger(__name__)
@@ -163,13 +164,7 @@ class Engine:
         self._swapping = 0
         self._busy = False  # a step is running in the worker thread
         self._cache_arg = cache_argument(model)
-        self._served: dict[int, LoraOverlay | None] = {version: None}
-        """Each version served, with its adapter (None: the base weights themselves)."""
-        self._retiring: set[int] = set()
-        """Versions being removed: refused to new requests, served to those they have."""
-        self._lora = LoraRows(model)
-        self._unhooked: deque[LoraOverlay] = deque()
-        """Overlays `add`ed whose hooks the worker thread attaches before its next step."""
+        self._served = ServedVersions(model, version)
         self._stepped = asyncio.Event()
         """Set after every step (removals wait on it for their requests to finish)."""
         self._ids = itertools.count()
@@ -213,6 +208,7 @@ class Engine:
         if request in self._waiting:
             self._waiting.remove(request)
         request.end()
+        self._stepped.set()  # a removal waiting for this request looks again
 
     @property
     def load(self) -> tuple[int, int]:
@@ -224,7 +220,7 @@ class Engine:
     @property
     def versions(self) -> tuple[int, ...]:
         """The versions a request may ask for now, ascending."""
-        return tuple(sorted(set(self._served) - self._retiring))
+        return self._served.versions
 
     async def swap(
         self,
@@ -246,8 +242,7 @@ class Engine:
                 self._wake.set()
                 await self._idle.wait()
             overlay = await asyncio.to_thread(self._load, state_dict, adapter)
-            self._served = {version: overlay}
-            self._retiring.clear()
+            self._served.replace(version, overlay)
             self._set_version(version)
         finally:
             self._swapping -= 1
@@ -261,34 +256,30 @@ class Engine:
         it joins between two steps. Raises ValueError (LoraOverlay.build) before anything
         changes."""
         overlay = await asyncio.to_thread(LoraOverlay.build, self.model, adapter, state_dict)
-        if version in self._served:
+        if self._served.held(version):
             await self.remove(version, keep_last=False)
-        # Hooks change only in the worker thread, before the next step's first forward:
-        # a request for `version` is admitted at that step at the earliest.
-        self._unhooked.append(overlay)
-        self._served[version] = overlay
-        self._retiring.discard(version)
+        # Hooked in the worker thread before the next step's first forward: a request for
+        # `version` is admitted at that step at the earliest.
+        self._served.add(version, overlay)
         self._set_version(max(self.versions))
 
     async def remove(self, version: int, *, keep_last: bool = True) -> None:
         """Stop serving `version` (idempotent): new requests for it are refused at once
         (VersionNotServed), those queued or running for it finish first. Raises ValueError
         when it is the only version served and `keep_last`."""
-        if version not in self._served:
+        if not self._served.held(version):
             return
-        others = [v for v in self._served if v != version and v not in self._retiring]
+        others = [v for v in self.versions if v != version]
         if keep_last and not others:
             raise ValueError(f"version {version} is the only version served; add another first")
-        self._retiring.add(version)
+        self._served.retire(version)
         if others:
             self._set_version(max(others))
         while self._uses(version):
             self._stepped.clear()
             self._wake.set()
             await self._stepped.wait()
-        if version in self._retiring:  # not served again meanwhile
-            self._retiring.discard(version)
-            del self._served[version]
+        self._served.forget(version)
 
     def _uses(self, version: int) -> bool:
         """Whether a request queued or unfinished asks for or is served `version`."""
@@ -309,31 +300,10 @@ class Engine:
     def _load(
         self, state_dict: dict[str, torch.Tensor], adapter: pb.LoraAdapter | None
     ) -> LoraOverlay | None:
+        """The adapter `state_dict` is, checked; or full weights, copied into the model."""
         if adapter is not None:
-            overlay = LoraOverlay.build(self.model, adapter, state_dict)  # checks everything
-            self._lora.clear()
-            self._unhooked.clear()
-            self._lora.hook(overlay)
-            return overlay
-        with torch.no_grad():
-            current = self.model.state_dict()
-            unknown = sorted(set(state_dict) - set(current))
-            missing = sorted(set(current) - set(state_dict) - _tied(self.model))
-            if unknown or missing:
-                raise ValueError(
-                    f"state dict does not fit the model: unknown {unknown[:5]}, "
-                    f"missing {missing[:5]}"
-                )
-            for name, tensor in state_dict.items():
-                if tuple(tensor.shape) != tuple(current[name].shape):
-                    raise ValueError(
-                        f"{name}: shape {tuple(tensor.shape)} does not match the "
-                        f"model's {tuple(current[name].shape)}"
-                    )
-            for name, tensor in state_dict.items():
-                current[name].copy_(tensor)
-        self._lora.clear()  # full weights: no adapter on top of them
-        self._unhooked.clear()
+            return LoraOverlay.build(self.model, adapter, state_dict)  # checks everything
+        copy_full_weights(self.model, state_dict)
         return None
 
     # -- the loop ----------------------------------------------------------------------------
@@ -344,7 +314,7 @@ class Engine:
         try:
             await self._loop()
         finally:
-            self._lora.clear()
+            self._served.clear()
 
     async def _loop(self) -> None:
         while not self._stopped:
@@ -390,6 +360,7 @@ class Engine:
         """End the loop; requests still waiting or running end without a finish reason."""
         self._stopped = True
         self._wake.set()
+        self._stepped.set()
         for request in [*self._waiting, *self._running]:
             self.abort(request)
 
@@ -420,8 +391,6 @@ class Engine:
 
     def _step(self, admitted: list[EngineRequest]) -> list[tuple[EngineRequest, Token]]:
         outputs: list[tuple[EngineRequest, Token]] = []
-        while self._unhooked:
-            self._lora.hook(self._unhooked.popleft())
         with torch.inference_mode():
             self._drop_finished()
             if admitted:
@@ -480,7 +449,7 @@ class Engine:
 
     def _route(self, rows: Iterable[EngineRequest]) -> None:
         """Each row of the next forward gets its request's version's adapter."""
-        self._lora.route([self._served.get(r.version) for r in rows], self.device)
+        self._served.route([r.version for r in rows], self.device)
 
     def _sample(
         self, requests: list[EngineRequest], logits: torch.Tensor
@@ -519,11 +488,3 @@ class Engine:
 def _ends_with_stop(text: str, stops: tuple[str, ...]) -> bool:
     # Checked after every token, so the first occurrence of any stop string ends generation.
     return any(stop in text for stop in stops)
-
-
-def _tied(model: Any) -> set[str]:
-    """Parameter names the model ties to others (they need not be in a state dict)."""
-    keys = getattr(model, "_tied_weights_keys", None) or ()
-    if isinstance(keys, dict):
-        return set(keys)
-    return set(keys)
