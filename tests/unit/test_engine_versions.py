@@ -208,3 +208,26 @@ async def test_a_request_naming_no_version_gets_the_newest_served(model: Qwen2Fo
         await engine.stop()
         await loop
     assert request.version == 3 and engine.version == 3
+
+
+async def test_adding_and_removing_versions_does_not_disturb_requests_in_flight(
+    model: Qwen2ForCausalLM,
+) -> None:
+    engine = _engine(model)
+    loop = asyncio.create_task(engine.run())
+    prompt = [11, 12, 13]
+    try:
+        await engine.add(2, _tensors(model, seed=2), SPEC)
+        alone = await _collect(engine.submit(prompt, _params(max_tokens=30), version=0))
+        running = engine.submit(prompt, _params(max_tokens=30), version=0)
+        first = await running.tokens.get()
+        assert first is not None
+        await engine.add(1, _tensors(model, seed=1), SPEC)  # joins between two steps
+        await engine.remove(2)  # no request holds it: gone at once
+        assert engine.versions == (0, 1)
+        ids, logprobs = await _collect(running)
+    finally:
+        await engine.stop()
+        await loop
+    assert [first.token_id, *ids] == alone[0]
+    assert [first.logprob, *logprobs] == pytest.approx(alone[1], abs=1e-5)
