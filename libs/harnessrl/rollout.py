@@ -19,14 +19,15 @@ The fold, in the topic's order:
   the trainer trains no sample it produced.
 - A decision applies only to the state it was made against (`RolloutDecision.stable` is
   still stable) and only when `refusal` finds nothing wrong with it; a refused decision
-  changes nothing, on every service alike (a raced duplicate, an operator's stale command).
+  changes nothing, on every service alike (a raced duplicate, an operator's stale command);
+  published again, it is judged again where it lands. A decision id applies once.
   START makes an announced version newer than stable, never rolled back, the candidate
   (none pending, not pinned). PROMOTE makes the candidate stable, or, with none pending, any
   announced version not rolled back (an operator's override). ROLLBACK ends the candidate
   and every version descending from it (the trainer rewinds to stable), or, with none pending,
-  replaces the stable version by the one stable before it. PIN makes a version stable and
-  holds candidates off until UNPIN; it is refused while a candidate is pending, so a pin
-  never discards a decision under way.
+  replaces the stable version by the latest one stable before it that this leaves unretired.
+  PIN makes a version stable and holds candidates off until UNPIN; it is refused while a
+  candidate is pending, so a pin never discards a decision under way.
 
 A session's arm is chosen once, at its first call (`assign`): the candidate when a hash of
 (group id, candidate version) falls in the share and an engine serves the candidate, else
@@ -37,9 +38,10 @@ session keeps its version to its end, whatever is decided meanwhile.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -126,6 +128,86 @@ ACTION_NAMES = {
 }
 
 
+class _Lineage:
+    """Every PolicyVersion one fold announced, append-only and shared by all its snapshots
+    (each sees its first `upto` announcements), so an announcement costs O(1) rather than
+    a copy of every version before it: a fold over a long hrl.policy stays linear."""
+
+    def __init__(self) -> None:
+        self.order: list[int] = []
+        self.position: dict[int, int] = {}
+        self.base: dict[int, int] = {}
+        self.based: list[int] = [0]
+        """based[n]: how many of the first n announcements name a base."""
+
+    def add(self, version: int, base: int | None) -> int:
+        """Append `version` (not announced before); returns the new `upto`."""
+        self.position[version] = len(self.order)
+        self.order.append(version)
+        if base is not None:
+            self.base[version] = base
+        self.based.append(self.based[-1] + (base is not None))
+        return len(self.order)
+
+    def has(self, version: int, upto: int) -> bool:
+        position = self.position.get(version)
+        return position is not None and position < upto
+
+
+class _Announced(AbstractSet[int]):
+    """The versions among a lineage's first `upto` announcements (an immutable view)."""
+
+    __slots__ = ("_lineage", "_upto")
+
+    def __init__(self, lineage: _Lineage, upto: int) -> None:
+        self._lineage, self._upto = lineage, upto
+
+    def __contains__(self, version: object) -> bool:
+        return isinstance(version, int) and self._lineage.has(version, self._upto)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._lineage.order[: self._upto])
+
+    def __len__(self) -> int:
+        return self._upto
+
+    __hash__ = AbstractSet._hash
+
+    @classmethod
+    def _from_iterable(cls, values: Iterable[Any]) -> AbstractSet[Any]:  # `|`, `&`, `-`
+        return frozenset(values)
+
+    def __repr__(self) -> str:
+        return f"{{{', '.join(map(str, self))}}}"
+
+
+class _Bases(Mapping[int, int]):
+    """Version -> its base, among a lineage's first `upto` announcements (an immutable view)."""
+
+    __slots__ = ("_lineage", "_upto")
+
+    def __init__(self, lineage: _Lineage, upto: int) -> None:
+        self._lineage, self._upto = lineage, upto
+
+    def __getitem__(self, version: int) -> int:
+        if not self._lineage.has(version, self._upto):
+            raise KeyError(version)
+        return self._lineage.base[version]
+
+    def __iter__(self) -> Iterator[int]:
+        return (v for v in self._lineage.order[: self._upto] if v in self._lineage.base)
+
+    def __len__(self) -> int:
+        return self._lineage.based[self._upto]
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+_UNKNOWN = -1
+"""`Rollout._current` not computed yet (a Rollout built by hand, not by RolloutState)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Rollout:
     """The state at one point of hrl.policy (immutable: a reader's snapshot never changes)."""
@@ -138,7 +220,7 @@ class Rollout:
     pinned: bool = False
     newest: int | None = None
     """The newest version announced."""
-    announced: frozenset[int] = frozenset()
+    announced: AbstractSet[int] = frozenset()
     bases: Mapping[int, int] = field(default_factory=dict, compare=False)
     """Version -> the version its weights were trained from (absent: none known)."""
     rolled_back: frozenset[int] = frozenset()
@@ -147,9 +229,15 @@ class Rollout:
     the one before)."""
     last: pb.RolloutDecision | None = field(default=None, compare=False)
     """The last decision applied."""
+    _retired: frozenset[int] | None = field(default=None, compare=False, repr=False)
+    """The announced versions retired, kept by RolloutState (None: walk `bases`)."""
+    _current: int | None = field(default=_UNKNOWN, compare=False, repr=False)
+    """`current()`, kept by RolloutState."""
 
     def retired(self, version: int) -> bool:
         """Whether `version` was rolled back or descends from a version that was."""
+        if self._retired is not None and version in self.announced:
+            return version in self._retired
         seen = 0
         current: int | None = version
         while current is not None and seen <= len(self.bases):
@@ -162,6 +250,8 @@ class Rollout:
     def current(self) -> int | None:
         """The head of the trainer's line: the newest version not retired (controller
         episodes are served it; it is the next candidate)."""
+        if self._current != _UNKNOWN:
+            return self._current
         for version in sorted(self.announced, reverse=True):
             if not self.retired(version):
                 return version
@@ -177,27 +267,40 @@ class RolloutState:
     """The fold of hrl.policy's PolicyVersion and RolloutDecision events (idempotent)."""
 
     def __init__(self) -> None:
-        self.state = Rollout()
+        self._lineage = _Lineage()
+        self.state = Rollout(
+            announced=_Announced(self._lineage, 0),
+            bases=_Bases(self._lineage, 0),
+            _retired=frozenset(),
+            _current=None,
+        )
         self._outcomes: dict[str, str | None] = {}
         """decision_id -> None once applied, else its latest refusal."""
 
     def announced(self, event: pb.PolicyVersion) -> None:
+        """Fold a PolicyVersion (a copy of one announced before changes nothing). O(1)."""
         state = self.state
         version = int(event.version)
         if version in state.announced:
             return
-        bases = dict(state.bases)
+        base: int | None = None
         if event.HasField("base"):
-            bases[version] = int(event.base)
+            base = int(event.base)
         elif version - 1 in state.announced:
-            bases[version] = version - 1
+            base = version - 1
+        retired = version in state.rolled_back or (base is not None and state.retired(base))
+        upto = self._lineage.add(version, base)
+        known = state._retired if state._retired is not None else frozenset()
+        current = state.current()
         self.state = replace(
             state,
-            announced=state.announced | {version},
-            bases=bases,
+            announced=_Announced(self._lineage, upto),
+            bases=_Bases(self._lineage, upto),
             newest=version if state.newest is None else max(state.newest, version),
             stable=version if state.stable is None else state.stable,
             stables=state.stables or (version,),
+            _retired=known | {version} if retired else known,
+            _current=current if retired or (current is not None and current > version) else version,
         )
 
     def decided(self, decision: pb.RolloutDecision) -> str | None:
@@ -313,21 +416,9 @@ def _apply(state: Rollout, decision: pb.RolloutDecision) -> Rollout:
     if action == "rollback" and state.candidate is None:
         stables = _stables_after_rollback(state)
         assert stables is not None  # refusal() admitted it
-        return replace(
-            state,
-            stable=stables[-1],
-            stables=stables,
-            rolled_back=state.rolled_back | {version},
-            last=decision,
-        )
+        return replace(_retire(state, version), stable=stables[-1], stables=stables, last=decision)
     if action == "rollback":
-        return replace(
-            state,
-            candidate=None,
-            share=0.0,
-            rolled_back=state.rolled_back | {version},
-            last=decision,
-        )
+        return replace(_retire(state, version), candidate=None, share=0.0, last=decision)
     stables = state.stables if state.stable == version else (*state.stables, version)
     return replace(
         state,
@@ -345,11 +436,26 @@ def _stables_after_rollback(state: Rollout) -> tuple[int, ...] | None:
     that the rollback leaves unretired (an operator may have promoted an older version, so
     an earlier stable can descend from the one rolled back); None when there is none."""
     assert state.stable is not None
-    after = replace(state, rolled_back=state.rolled_back | {state.stable})
+    after = _retire(state, state.stable)
     stables = state.stables[:-1]
     while stables and after.retired(stables[-1]):
         stables = stables[:-1]
     return stables or None
+
+
+def _retire(state: Rollout, version: int) -> Rollout:
+    """`state` with `version` rolled back: it and every announced version descending from
+    it retired, `current` found again (O(versions); rollbacks are rare)."""
+    after = replace(state, rolled_back=state.rolled_back | {version}, _retired=None)
+    if state._retired is None:
+        return replace(after, _current=_UNKNOWN)
+    retired = set(state._retired) | {version}
+    for later in sorted(state.announced):  # a base is older than what was trained from it
+        base = state.bases.get(later)
+        if base is not None and (base in retired or (base >= later and after.retired(later))):
+            retired.add(later)
+    current = max((v for v in state.announced if v not in retired), default=None)
+    return replace(after, _retired=frozenset(retired), _current=current)
 
 
 def _point(group_id: str, candidate: int) -> float:

@@ -419,3 +419,66 @@ def test_the_canary_section_refuses_an_unknown_guard_by_name() -> None:
     rule = CanarySection(delta=0.1).rule(0.0, 1.0)
     assert (rule.delta, rule.low, rule.high) == (0.1, 0.0, 1.0)
     assert set(rule.guards) == {"error", "no_answer", "tool_parse", "slow"}
+
+
+def test_a_snapshot_never_changes_as_the_fold_goes_on() -> None:
+    fold = folded(0, 1, 2)
+    apply(fold, decision(START, 2, 0, share=0.1))
+    before = fold.state
+    fold.announced(version(3))
+    apply(fold, decision(ROLLBACK, 2, 0))
+    fold.announced(version(4, base=0))
+    assert (sorted(before.announced), dict(before.bases)) == ([0, 1, 2], {1: 0, 2: 1})
+    assert 3 not in before.announced and before.bases.get(3) is None
+    assert (before.candidate, before.current(), before.retired(2)) == (2, 2, False)
+    after = fold.state
+    assert (after.current(), after.retired(2), after.retired(3), after.retired(4)) == (
+        4,
+        True,
+        True,
+        False,
+    )
+    assert after.announced | {9} == {0, 1, 2, 3, 4, 9}  # a set like any other
+
+
+def test_what_the_fold_keeps_matches_walking_the_lineage() -> None:
+    """The fold keeps which versions are retired and the current one as it goes; a Rollout
+    built by hand from the same fields computes them by walking `bases`: they agree."""
+    import random
+
+    rng = random.Random(7)
+    with_rollbacks = 0
+    for _ in range(50):
+        fold = RolloutState()
+        head = 0
+        for number in range(40):
+            if number and rng.random() < 0.3:
+                fold.announced(version(number, base=rng.randrange(number)))
+            else:
+                fold.announced(version(number))
+            state = fold.state
+            if state.stable is None:
+                continue
+            if state.candidate is None and rng.random() < 0.4:
+                target = state.current()
+                if target is not None and target > state.stable:
+                    fold.decided(decision(START, target, state.stable, share=0.5))
+            elif state.candidate is not None and rng.random() < 0.5:
+                action = ROLLBACK if rng.random() < 0.5 else PROMOTE
+                fold.decided(decision(action, state.candidate, state.stable))
+            elif rng.random() < 0.05:
+                fold.decided(decision(ROLLBACK, state.stable, state.stable, actor="operator:a"))
+            head = number
+        state = fold.state
+        by_hand = Rollout(
+            stable=state.stable,
+            announced=frozenset(state.announced),
+            bases=dict(state.bases),
+            rolled_back=state.rolled_back,
+        )
+        assert [state.retired(v) for v in range(head + 2)] == [
+            by_hand.retired(v) for v in range(head + 2)
+        ]
+        assert state.current() == by_hand.current()
+        with_rollbacks += len(state.rolled_back) > 1
+    assert with_rollbacks > 10  # the histories do retire lines of versions
