@@ -241,6 +241,9 @@ async def test_bad_operator_input_is_one_clear_error(
     code, _, err = await policy(broker, capsys, "pin", "1", "--by", "alice smith")
     assert code == 2 and "--by: 'alice smith' is not an operator name" in err
     assert await decisions(broker) == []
+    code = await asyncio.to_thread(cli_main, ["policy", "status", "--bootstrap", "127.0.0.1:1"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "harnessrl: error: cannot reach hrl.policy at 127.0.0.1:1" in err
 
 
 def test_the_evidence_of_a_failed_load_names_the_engine_and_its_error() -> None:
