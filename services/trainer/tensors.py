@@ -67,9 +67,9 @@ def load(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, directory: Path
 ) -> None:
     """Collective: restore the state `save` wrote into `model`, `optimizer` and
-    `scheduler` (strict: every key must match; RuntimeError otherwise). Raises ValueError
-    for a directory without DCP state (a checkpoint from before this format) or without
-    the scheduler state asked for."""
+    `scheduler` (every trainable key must be in the checkpoint; RuntimeError otherwise).
+    Raises ValueError for a directory without DCP state (a checkpoint from before this
+    format) or without the scheduler state asked for."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
@@ -83,12 +83,14 @@ def load(
         dcp_load(state, checkpoint_id=directory / DCP)
     except (CheckpointException, RuntimeError) as err:
         raise RuntimeError(f"checkpoint {directory} does not match the model: {err}") from err
+    # Not strict: the state holds no frozen parameter (a LoRA model's whole base), which a
+    # strict load would call missing; every key it does hold was required by dcp_load.
     set_state_dict(
         model,
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],
-        options=StateDictOptions(ignore_frozen_params=True),
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
     )
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(directory / SCHEDULER, weights_only=True))

@@ -23,7 +23,7 @@ from harnessrl.production import ProductionSection
 from harnessrl.rollout import CanarySection
 from harnessrl.runtime import Runtime
 from harnessrl.services.trainer import journal
-from harnessrl.services.trainer.config import TrainerConfig, TrainerSection
+from harnessrl.services.trainer.config import LoraSection, TrainerConfig, TrainerSection
 from harnessrl.services.trainer.service import TrainerService
 from harnessrl.v1 import events_pb2 as pb
 from harnessrl.weights import WeightSyncClient
@@ -35,7 +35,9 @@ pytestmark = pytest.mark.integration
 
 
 @asynccontextmanager
-async def canary_trainer(broker: EmbeddedBroker, tmp_path: Path) -> AsyncIterator[TrainerService]:
+async def canary_trainer(
+    broker: EmbeddedBroker, tmp_path: Path, lora: LoraSection | None = None
+) -> AsyncIterator[TrainerService]:
     config = TrainerConfig(
         instance="trainer-0",
         kafka=KafkaSettings(bootstrap_servers=broker.bootstrap, partitions=3),
@@ -51,6 +53,7 @@ async def canary_trainer(broker: EmbeddedBroker, tmp_path: Path) -> AsyncIterato
             checkpoint_every=1,
             max_staleness=10,
             lr=1e-3,
+            lora=lora,
         ),
         production=ProductionSection(canary=CanarySection(enabled=True)),
     )
@@ -125,10 +128,11 @@ async def _fetch(address: str, version: int) -> dict[str, torch.Tensor]:
         await client.close()
 
 
+@pytest.mark.parametrize("lora", [None, LoraSection(rank=4, alpha=8.0)], ids=["full", "lora"])
 async def test_a_rollback_rewinds_to_stable_and_the_next_version_is_trained_from_it(
-    broker: EmbeddedBroker, tmp_path: Path
+    broker: EmbeddedBroker, tmp_path: Path, lora: LoraSection | None
 ) -> None:
-    async with canary_trainer(broker, tmp_path) as service:
+    async with canary_trainer(broker, tmp_path, lora) as service:
         v0 = await _announced(broker, 0)
         assert not v0.HasField("base")  # the initial weights
         address = v0.weightsync_address
@@ -154,7 +158,7 @@ async def test_a_rollback_rewinds_to_stable_and_the_next_version_is_trained_from
     assert [s.version for s in journal.trained(records)] == [1, 2, 3]
 
     # Restarted: stable is served again from the archive, and nothing is rewound twice.
-    async with canary_trainer(broker, tmp_path) as service:
+    async with canary_trainer(broker, tmp_path, lora) as service:
         restarted = (await _versions(broker))[3].weightsync_address
         assert all(torch.equal(t, stable[n]) for n, t in (await _fetch(restarted, 0)).items())
         assert service.metrics.rewinds._value.get() == 0

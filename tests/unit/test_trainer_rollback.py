@@ -294,3 +294,16 @@ async def test_a_needed_version_published_after_it_was_needed_is_archived_then(
     manifest, tensors = archive.load(0)
     assert manifest.version == 0 and torch.equal(tensors["a"], torch.ones(2))
     await server.stop()
+
+
+def test_a_lora_trainer_resumes_from_its_checkpoint(base_dir: Path, tmp_path: Path) -> None:
+    """The checkpoint holds the adapters only: loading it restores them and their moments,
+    and the frozen base (not in it) is no missing key."""
+    settings = TrainerSection(model=base_dir, device="cpu", dtype="float32", lora=LORA, lr=1e-2)
+    policy = Policy.load(settings, World())
+    policy.step(_samples(0))
+    policy.save_tensors(tmp_path)
+    resumed = Policy.load(settings, World())
+    resumed.load_tensors(tmp_path)
+    assert all(torch.equal(v, policy.state_dict()[k]) for k, v in resumed.state_dict().items())
+    assert len(resumed.optimizer.state) == len(policy.optimizer.state) > 0
