@@ -19,8 +19,9 @@ The fold, in the topic's order:
   the trainer trains no sample it produced.
 - A decision applies only to the state it was made against (`RolloutDecision.stable` is
   still stable) and only when `refusal` finds nothing wrong with it; a refused decision
-  changes nothing, on every service alike (a raced duplicate, an operator's stale command);
-  published again, it is judged again where it lands. A decision id applies once.
+  changes nothing, on every service alike (a raced duplicate, an operator's stale command).
+  A decision id applies once; a refused record delivered again stays refused, while a
+  decision published again with its own `decided_at` is judged where it lands (`decided`).
   START makes an announced version newer than stable, never rolled back, the candidate
   (none pending, not pinned). PROMOTE makes the candidate stable, or, with none pending, any
   announced version not rolled back (an operator's override). ROLLBACK ends the candidate
@@ -276,6 +277,10 @@ class RolloutState:
         )
         self._outcomes: dict[str, str | None] = {}
         """decision_id -> None once applied, else its latest refusal."""
+        self._refused: dict[bytes, str] = {}
+        """Digest of each refused decision's bytes -> why: the same record delivered again
+        (a consumer replaying what the history already folded, a producer's duplicate)
+        keeps its first outcome wherever it lands."""
 
     def announced(self, event: pb.PolicyVersion) -> None:
         """Fold a PolicyVersion (a copy of one announced before changes nothing). O(1)."""
@@ -304,18 +309,25 @@ class RolloutState:
         )
 
     def decided(self, decision: pb.RolloutDecision) -> str | None:
-        """Apply `decision`; returns None when it applied (or was applied before: a copy
-        changes nothing), else the reason every service refuses it for. A refused decision
-        published again is judged again where it lands (the judge's deterministic ids,
-        `canary/<version>/<action>`, rely on that to retry)."""
+        """Apply `decision`; returns None when it applied, else the reason every service
+        refuses it for. Replay-safe, so a service folds hrl.policy's history and then its
+        consumer's records without deduplicating: a decision id applies once (a copy of an
+        applied one returns None and changes nothing), and the same refused decision, byte
+        for byte, stays refused. One published again (its own `decided_at`: the judge
+        retrying under its deterministic id) is judged where it lands."""
         decision_id = decision.decision_id
         if decision_id in self._outcomes and self._outcomes[decision_id] is None:
             return None
+        digest = hashlib.sha256(decision.SerializeToString(deterministic=True)).digest()
+        if digest in self._refused:
+            return self._refused[digest]
         reason = refusal(self.state, decision)
         if decision_id:  # without an id it is refused, and nothing names it
             self._outcomes[decision_id] = reason
         if reason is None:
             self.state = _apply(self.state, decision)
+        else:
+            self._refused[digest] = reason
         return reason
 
     def outcome(self, decision_id: str) -> tuple[bool, str | None]:

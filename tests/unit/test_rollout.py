@@ -283,7 +283,7 @@ def test_a_decision_made_against_another_stable_is_refused() -> None:
     assert fold.state.candidate is None
 
 
-def test_a_decision_applies_once_and_a_refused_one_is_judged_again_where_it_lands() -> None:
+def test_a_decision_applies_once_and_a_refused_one_is_judged_again_only_when_republished() -> None:
     fold = folded(0, 1, 2)
     start = decision(START, 2, 0, share=0.1, decision_id="canary/2/start")
     apply(fold, start)
@@ -295,13 +295,19 @@ def test_a_decision_applies_once_and_a_refused_one_is_judged_again_where_it_land
     # it publishes the same id again, which then applies.
     fold2 = folded(0, 1, 2)
     apply(fold2, decision(PIN, 0, 0, actor="operator:a"))
-    retry = decision(START, 2, 0, share=0.1, decision_id="canary/2/start")
-    assert fold2.decided(retry) == "version: stable version 0 is pinned; unpin first"
-    assert fold2.outcome("canary/2/start") == (
-        True,
-        "version: stable version 0 is pinned; unpin first",
-    )
+    first = decision(START, 2, 0, share=0.1, decision_id="canary/2/start")
+    first.decided_at.FromSeconds(100)
+    pinned = "version: stable version 0 is pinned; unpin first"
+    assert fold2.decided(first) == pinned
+    assert fold2.outcome("canary/2/start") == (True, pinned)
     apply(fold2, decision(UNPIN, 0, 0, actor="operator:a"))
+    # That record delivered again (a consumer replaying what the history folded, a
+    # producer's duplicate) keeps its outcome: every service folds it the same way.
+    assert fold2.decided(first) == pinned
+    assert fold2.state.candidate is None
+    retry = pb.RolloutDecision()
+    retry.CopyFrom(first)
+    retry.decided_at.FromSeconds(200)  # published again
     apply(fold2, retry)
     assert fold2.state.candidate == 2
     assert fold2.outcome("canary/2/start") == (True, None)
