@@ -43,6 +43,8 @@ class RolloutWatch:
         self._kept: frozenset[int] | None = None
         """The versions protected and archived by the last `keep` (None: never kept)."""
         self._keeping = asyncio.Lock()
+        self._retired_in: Rollout | None = None
+        self._retired: dict[int, bool] = {}
         self._seen: set[str] = set()
         """Decision ids folded, applied or refused: the trainer reads hrl.policy's history at
         start and then consumes it from its group's offsets, so it may see a decision
@@ -53,8 +55,16 @@ class RolloutWatch:
         return self._fold.state
 
     def retired(self, version: int) -> bool:
-        """Whether `version` was rolled back or descends from a version that was."""
-        return self._fold.state.retired(version)
+        """Whether `version` was rolled back or descends from a version that was (asked for
+        every version of every sample: remembered until the state changes, as walking a
+        long lineage each time would not be cheap)."""
+        state = self._fold.state
+        if state is not self._retired_in:
+            self._retired_in, self._retired = state, {}
+        known = self._retired.get(version)
+        if known is None:
+            known = self._retired[version] = state.retired(version)
+        return known
 
     def announced(self, event: pb.PolicyVersion) -> None:
         """Fold a PolicyVersion (idempotent)."""
