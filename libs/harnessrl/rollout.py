@@ -84,6 +84,13 @@ class CanarySection(Section):
     """Where the confidence sequence is tightest, in sessions (any value keeps the guarantee)."""
     slow_ms: float = Field(default=60_000.0, gt=0.0)
     """A session fails the `slow` guard when one of its calls took longer than this."""
+    signals: list[str] | None = Field(default=None, min_length=1)
+    """Compare the arms on these feedback signals alone (their weighted mean), e.g. a
+    held-out outcome (`train: false`) the policy is never paid for, so it cannot game its
+    own release; unset: on the session's reward."""
+    candidate_after_versions: int = Field(default=1, ge=1)
+    """A version becomes the candidate once it is this many versions past stable along the
+    versions it was trained from (larger: fewer canaries when the trainer publishes often)."""
     guards: dict[str, GuardSection] = {name: GuardSection() for name in GUARDS}
     """The guards checked, by name (a subset of error, no_answer, tool_parse, slow)."""
 

@@ -488,3 +488,14 @@ def test_what_the_fold_keeps_matches_walking_the_lineage() -> None:
         assert state.current() == by_hand.current()
         with_rollbacks += len(state.rolled_back) > 1
     assert with_rollbacks > 10  # the histories do retire lines of versions
+
+
+def test_the_canary_section_names_a_bad_signal_list_or_lag() -> None:
+    from pydantic import ValidationError
+
+    assert CanarySection().signals is None  # the session's reward
+    assert CanarySection.model_validate({"signals": ["resolved"]}).signals == ["resolved"]
+    with pytest.raises(ValidationError, match="signals"):
+        CanarySection.model_validate({"signals": []})
+    with pytest.raises(ValidationError, match="candidate_after_versions"):
+        CanarySection.model_validate({"candidate_after_versions": 0})
