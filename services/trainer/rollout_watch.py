@@ -43,28 +43,14 @@ class RolloutWatch:
         self._kept: frozenset[int] | None = None
         """The versions protected and archived by the last `keep` (None: never kept)."""
         self._keeping = asyncio.Lock()
-        self._retired_in: Rollout | None = None
-        self._retired: dict[int, bool] = {}
-        self._seen: set[str] = set()
-        """Decision ids folded, applied or refused: the trainer reads hrl.policy's history at
-        start and then consumes it from its group's offsets, so it may see a decision
-        twice, and one refused the first time must not apply against a later state."""
 
     @property
     def state(self) -> Rollout:
         return self._fold.state
 
     def retired(self, version: int) -> bool:
-        """Whether `version` was rolled back or descends from a version that was (asked for
-        every version of every sample: remembered until the state changes, as walking a
-        long lineage each time would not be cheap)."""
-        state = self._fold.state
-        if state is not self._retired_in:
-            self._retired_in, self._retired = state, {}
-        known = self._retired.get(version)
-        if known is None:
-            known = self._retired[version] = state.retired(version)
-        return known
+        """Whether `version` was rolled back or descends from a version that was."""
+        return self._fold.state.retired(version)
 
     def announced(self, event: pb.PolicyVersion) -> None:
         """Fold a PolicyVersion (idempotent)."""
@@ -72,11 +58,9 @@ class RolloutWatch:
 
     def decided(self, decision: pb.RolloutDecision) -> bool:
         """Fold a RolloutDecision (idempotent); True when it applied now (not before, not
-        refused). A refused one is logged with every service's reason; a decision id seen
-        before is ignored."""
-        if decision.decision_id in self._seen:
-            return False
-        self._seen.add(decision.decision_id)
+        refused). A refused one is logged with every service's reason. The fold is
+        replay-safe: the trainer reads hrl.policy's history at start, then its consumer's
+        records, and a decision seen twice keeps its outcome."""
         before = self._fold.state
         reason = self._fold.decided(decision)
         if reason is not None:
