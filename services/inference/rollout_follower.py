@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter
@@ -121,35 +121,33 @@ class RolloutFollower:
     async def on_version(self, event: pb.PolicyVersion, ctx: Context) -> None:
         """The consumer's handler of PolicyVersion: fold, reconcile, publish what changed."""
         self.fold(event)
-        for loaded in await self.reconcile():
-            ctx.publish(loaded)
+        await self.reconcile(ctx.publish)
 
     async def on_decision(self, event: pb.RolloutDecision, ctx: Context) -> None:
         """The consumer's handler of RolloutDecision: fold, reconcile, publish what changed."""
         self.fold(event)
-        for loaded in await self.reconcile():
-            ctx.publish(loaded)
+        await self.reconcile(ctx.publish)
 
-    async def reconcile(self) -> list[pb.PolicyLoaded]:
-        """Make the replica serve what the rollout needs; the PolicyLoaded events to publish
-        (one per load tried, one after removals). Raises the loader's transient errors."""
+    async def reconcile(self, report: Callable[[pb.PolicyLoaded], object]) -> None:
+        """Make the replica serve what the rollout needs, handing `report` each PolicyLoaded
+        as soon as it is true (one per load tried, one after the removals: a removal waits
+        for its version's requests, and the gateways need not wait for it to hear of a
+        load). Raises the loader's transient errors."""
         async with self._lock:
             state = self.rollout.state
             if state.stable is None:
-                return []
-            reports: list[pb.PolicyLoaded] = []
+                return
             full = target(state, self._follow)
             for version in self._wanted(state):
                 if self._loader.adapters is False and version != full:
                     continue
                 if version in self._loader.served or version in self._failed:
                     continue
-                report = await self._load(version, adapter_only=version != full)
-                if report is not None:
-                    reports.append(report)
+                loaded = await self._load(version, adapter_only=version != full)
+                if loaded is not None:
+                    report(loaded)
             if self._loader.adapters and await self._unload_surplus(state):
-                reports.append(self._report(max(self._loader.served)))
-            return reports
+                report(self._report(max(self._loader.served)))
 
     def _wanted(self, state: Rollout) -> list[int]:
         """The versions to serve, the full-weight target first."""

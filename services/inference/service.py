@@ -250,11 +250,15 @@ class InferenceService:
                 if isinstance(event, pb.PolicyVersion | pb.RolloutDecision):
                     rollout.fold(event)
 
+        def publish(loaded: pb.PolicyLoaded) -> None:
+            self._bus.producer.publish(loaded).add_done_callback(_log_unpublished)
+
+        async def reconcile() -> None:
+            await rollout.reconcile(publish)
+
         await retry(scan, backoff=Backoff(0.5, 5.0), max_attempts=10**6)
         try:
-            loaded = await retry(rollout.reconcile, backoff=Backoff(0.5, 5.0), max_attempts=20)
-            for event in loaded:
-                await self._bus.producer.publish(event)
+            await retry(reconcile, backoff=Backoff(0.5, 5.0), max_attempts=20)
         except Exception as err:  # the consumer's next event reconciles again
             log.warning("could not load the rollout's versions", error=repr(err))
 
@@ -275,3 +279,8 @@ class InferenceService:
             )
             checks["producer"] = self._bus.healthy
         return checks
+
+
+def _log_unpublished(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("PolicyLoaded not published", error=repr(future.exception()))

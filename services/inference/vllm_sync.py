@@ -238,9 +238,7 @@ class VllmSyncService:
             return
         async with self._lock:
             rollout.fold(event)
-            loaded = await rollout.reconcile()
-        for report in loaded:
-            ctx.publish(report)
+            await rollout.reconcile(ctx.publish)
 
     async def _apply(self, event: pb.PolicyVersion) -> pb.PolicyLoaded | None:
         """The follower's apply, remembered in the book. Call with the lock held."""
@@ -255,8 +253,7 @@ class VllmSyncService:
         """Apply what the book says vLLM lacks (nothing when it serves the newest); during
         a canary rollout, what the rollout needs."""
         if self.rollout is not None:
-            for report in await self.rollout.reconcile():
-                self._bus.producer.publish(report).add_done_callback(_log_refused)
+            await self.rollout.reconcile(self._publish)
             return
         target = self.book.target(self.vllm.version)
         if target is None:
@@ -303,6 +300,9 @@ class VllmSyncService:
         if not self._reachable:
             log.info("vLLM reachable", vllm=self.vllm.url, serving=self.vllm.version)
         self._reachable = True
+
+    def _publish(self, loaded: pb.PolicyLoaded) -> None:
+        self._bus.producer.publish(loaded).add_done_callback(_log_refused)
 
 
 def _log_refused(future: asyncio.Future[Any]) -> None:

@@ -98,10 +98,10 @@ class Replica:
 
     async def feed(self, *events: pb.PolicyVersion | pb.RolloutDecision) -> list[pb.PolicyLoaded]:
         """Fold `events` one by one as the consumer does; every PolicyLoaded reported."""
-        reports = []
+        reports: list[pb.PolicyLoaded] = []
         for event in events:
             self.follower.fold(event)
-            reports += await self.follower.reconcile()
+            await self.follower.reconcile(reports.append)
         return reports
 
 
@@ -192,7 +192,8 @@ async def test_a_restarted_engine_mid_canary_loads_the_stable_and_the_candidate_
     async with Replica() as after:  # a new process: folds the history, then reconciles once
         for event in history:
             after.follower.fold(event)
-        reports = await after.follower.reconcile()
+        reports: list[pb.PolicyLoaded] = []
+        await after.follower.reconcile(reports.append)
         assert after.engine.versions == (1, 2, 3)
         assert [r.version for r in reports[:3]] == [3, 2, 1]  # loaded, current first
         assert sorted(_serving(reports[-1])) == [1, 2, 3]  # the initial 0 unloaded after

@@ -448,17 +448,17 @@ def _decided(action: int, version: int, stable: int) -> pb.RolloutDecision:
     )
 
 
-async def _serving(broker: EmbeddedBroker, versions: dict[int, str]) -> pb.PolicyLoaded:
-    """The first PolicyLoaded(ok) whose `serving` is exactly `versions`, once there."""
-
-    def match(event: pb.PolicyLoaded) -> bool:
-        return event.ok and {s.version: s.model for s in event.serving} == versions
+async def _serving(broker: EmbeddedBroker, versions: dict[int, str]) -> None:
+    """Wait until the last PolicyLoaded is ok and its `serving` is exactly `versions`."""
 
     async def arrived() -> bool:
-        return any(match(e) for e in await _loaded(broker))
+        loaded = await _loaded(broker)
+        last = loaded[-1] if loaded else None
+        return (
+            last is not None and last.ok and {s.version: s.model for s in last.serving} == versions
+        )
 
     await eventually(arrived, timeout=60, interval=0.2)
-    return next(e for e in await _loaded(broker) if match(e))
 
 
 async def test_during_a_canary_the_stable_and_candidate_adapters_are_never_unloaded(
@@ -491,9 +491,18 @@ async def test_during_a_canary_the_stable_and_candidate_adapters_are_never_unloa
             _announced(address, 3),
             _decided(pb.ROLLOUT_ACTION_START, 2, 1),
         )
-        # stable 1, candidate 2, current 3: all three, though keep_adapters is 1
+        # stable 1, candidate 2, current 3: all three, though keep_adapters is 1 (2 was
+        # unloaded when 3 was announced, and loaded again as the candidate)
         await _serving(broker, {1: "policy-v1", 2: "policy-v2", 3: "policy-v3"})
         assert sorted(lora_vllm.adapters) == ["policy-v1", "policy-v2", "policy-v3"]
+        assert [sorted(s.version for s in e.serving) for e in await _loaded(broker)] == [
+            [0, 1],
+            [1],
+            [1, 2],
+            [1, 2, 3],
+            [1, 3],
+            [1, 2, 3],
+        ]
 
         lora_vllm.restart()  # its adapters are gone: the next check loads them all again
         await eventually(
@@ -531,11 +540,6 @@ async def test_during_a_canary_a_full_weight_vllm_serves_its_follow_label(
         )
         await _serving(broker, {2: ""})  # no candidate: the current version
         await _policy(broker, tmp_path, _decided(pb.ROLLOUT_ACTION_START, 1, 0))
-
-        async def candidate_reported() -> bool:
-            last = (await _loaded(broker))[-1]
-            return last.ok and {s.version: s.model for s in last.serving} == {1: ""}
-
-        await eventually(candidate_reported, timeout=60, interval=0.2)  # older than current
+        await _serving(broker, {1: ""})  # the candidate, older than current
         assert [e.version for e in await _loaded(broker)] == [1, 2, 1]
         assert await service.vllm.check() == 1  # what vLLM's workers serve
