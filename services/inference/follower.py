@@ -11,6 +11,9 @@ engine keeps serving its current version, the failure is logged, counted, and re
 PolicyLoaded(ok=false). A version the trainer no longer holds (a newer one superseded it
 while this replica was away) is skipped quietly: the newer announcement follows. Transient
 failures (the trainer or the engine unreachable) propagate, so the consumer retries.
+
+During a canary rollout (production.canary.enabled) rollout_follower.py follows hrl.policy
+instead, with the same loaders: they also serve several adapter versions at once.
 """
 
 from __future__ import annotations
