@@ -6,9 +6,9 @@ with harnessrl.rollout.RolloutState, as every service does, and after each event
 replica serve what the rollout needs:
 
 - a replica serving LoRA adapters keeps loaded exactly `Rollout.serving()` (stable,
-  candidate, current): it loads the missing ones and unloads the rest, retired ones (rolled
-  back, or descending from a version that was) first and always; a loader that keeps spare
-  adapters (vLLM's keep_adapters) may leave the newest others loaded. A retired version is
+  candidate, current): it loads the missing ones, then unloads the rest; a loader that
+  keeps spare adapters (vLLM's keep_adapters) may leave the newest others loaded, never a
+  retired one (rolled back, or descending from a version that was). A retired version is
   never loaded.
 - a replica serving full weights serves the one version its `follow` label names (newest:
   the current version; stable; candidate: the candidate, else the current version).
