@@ -36,8 +36,17 @@ def _register_inference(commands: Any) -> None:
         action="store_true",
         help="serve the weights in --model only; ignore hrl.policy",
     )
+    _add_follow(parser)
     add_kafka_options(parser)
     parser.set_defaults(run=run)
+
+
+def _add_follow(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--follow",
+        choices=["newest", "stable", "candidate"],
+        help="full weights during a canary rollout: the version served (default newest)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         "device": args.device,
         "max_batch": args.max_batch,
         "served_model_name": args.served_model_name,
+        "follow": args.follow,
     }
     section = {k: v for k, v in flags.items() if v is not None}
     if args.no_follow_policy:
@@ -96,6 +106,7 @@ def _register_vllm_sync(commands: Any) -> None:
     )
     parser.add_argument("--host", help="interface of /healthz and /metrics (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port of /healthz and /metrics (default 8250)")
+    _add_follow(parser)
     add_kafka_options(parser)
     parser.set_defaults(run=run_vllm_sync)
 
@@ -110,6 +121,7 @@ def run_vllm_sync(args: argparse.Namespace) -> int:
         "pause_mode": args.pause_mode,
         "host": args.host,
         "port": args.port,
+        "follow": args.follow,
     }
     config = load(VllmSyncConfig, args, vllm_sync={k: v for k, v in flags.items() if v is not None})
     if config.vllm_sync.vllm_url is None:
