@@ -15,9 +15,10 @@ replica serve what the rollout needs:
 
 After every change it reports PolicyLoaded(ok=true) with every version served now and the
 model name that asks for each (`serving`). A version that fails verification is reported
-PolicyLoaded(ok=false) and never tried again by this process; one the trainer no longer
-holds is reported ok=false with "version gone: ..." too, so the canary judge can roll a
-candidate back instead of waiting for a load that cannot happen. Which kind a replica
+PolicyLoaded(ok=false) and never tried again by this process; one the trainer does not
+hold is reported ok=false with "version gone: ..." too (once), so the canary judge can roll
+a candidate back instead of waiting for a load that cannot happen, and is tried again at
+the next reconcile (a restarted trainer serves the stable and candidate again). Which kind a replica
 serves is known once it pulled a version (the loader's `adapters`); until then it loads as
 for adapters, the `follow` target first, and any other version only if it is an adapter
 (NotAnAdapter otherwise: nothing changes, and the replica now knows it serves full weights).
@@ -97,7 +98,10 @@ class RolloutFollower:
         self.rollout = RolloutState()
         self._addresses: dict[int, str] = {}
         self._failed: dict[int, str] = {}
-        """Versions that will not load (refused, or gone), with why: never tried again."""
+        """Versions refused (verification, another base, a bad fit), with why: never tried
+        again."""
+        self._gone: set[int] = set()
+        """Versions reported gone: tried again, reported again only once loaded."""
         self._lock = asyncio.Lock()
         self._loads = Counter(
             "harnessrl_engine_rollout_loads",
@@ -181,9 +185,11 @@ class RolloutFollower:
             return None  # a full-weight replica: only its `follow` target is loaded
         except VersionGone as gone:
             self._loads.labels("skipped").inc()
-            self._failed[version] = f"version gone: {gone}"
-            log.warning("policy version no longer held by the trainer", version=version)
-            return self._refused(version, self._failed[version], started)
+            if version in self._gone:
+                return None  # reported before; tried again at the next reconcile
+            self._gone.add(version)
+            log.warning("policy version not held by the trainer", version=version)
+            return self._refused(version, f"version gone: {gone}", started)
         except Exception as err:
             if is_retryable(err):
                 raise  # the consumer retries: the trainer or the engine may be restarting
@@ -192,6 +198,7 @@ class RolloutFollower:
             log.error("policy version refused", version=version, error=str(err))
             return self._refused(version, self._failed[version], started)
         self._loads.labels("ok").inc()
+        self._gone.discard(version)
         report = self._report(version, load_ms=(time.monotonic() - started) * 1000)
         log.info(
             "policy version loaded",

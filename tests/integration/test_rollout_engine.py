@@ -2,8 +2,9 @@
 real WeightSync gRPC on loopback, the real engine on the tiny model, hrl.policy's events
 folded in order. The engine serves exactly the rollout's versions (stable, candidate,
 current), never a retired one; a restarted engine loads the stable and the candidate again;
-a version that fails verification or that the trainer no longer holds is reported ok=false
-and never served; a full-weight engine serves the version its `follow` label names."""
+a version that fails verification is reported ok=false and never served, one the trainer
+does not hold is reported ok=false once and loaded when it is held again; a full-weight
+engine serves the version its `follow` label names."""
 
 from __future__ import annotations
 
@@ -217,10 +218,16 @@ async def test_a_version_that_fails_verification_or_is_gone_is_reported_and_neve
         assert replica.engine.versions == (0,)
         assert await replica.feed(_version(trainer, 0)) == []  # never tried again
 
-        (gone,) = await replica.feed(_version(trainer, 2))  # never published: NOT_FOUND
+        (gone,) = await replica.feed(_version(trainer, 2))  # not published: NOT_FOUND
         assert (gone.version, gone.ok) == (2, False)
         assert gone.error.startswith("version gone: ")
         assert replica.engine.versions == (0,)
+        assert await replica.feed(_version(trainer, 2)) == []  # tried again, reported once
+
+        await _publish(trainer, base, 2)  # the trainer serves it (again)
+        (loaded,) = await replica.feed(_version(trainer, 2))
+        assert (loaded.version, loaded.ok) == (2, True)
+        assert replica.engine.versions == (0, 2)
 
 
 @pytest.mark.parametrize(("follow", "served"), [("stable", 0), ("candidate", 1), ("newest", 2)])
