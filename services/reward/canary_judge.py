@@ -5,12 +5,12 @@ RolloutDecision) with harnessrl.rollout's `RolloutState`, as every service does,
 publishes the automatic decisions (actor "canary") on hrl.policy:
 
 - START: no candidate pending, not pinned, and the trainer's newest live version
-  (`Rollout.current`) is newer than stable (at least `after_versions` past it along its
+  (`Rollout.current`) is newer than stable (`candidate_after_versions` past it along its
   line): it becomes the candidate with `canary.share`.
 - PROMOTE or ROLLBACK: by trust/canary's rule, from the sessions that ended while this
   candidate was pending (`SessionInfo.canary`), each counted in its arm with the guards it
   failed (`rollout.session_failures`) when it ends, and its reward (the session's decided
-  feedback reward, RewardAssigned on hrl.rewards, or with `signals` the mean of those
+  feedback reward, RewardAssigned on hrl.rewards, or with `canary.signals` the mean of those
   signals alone, such as a held-out outcome) when that is decided; a session decided
   without one counts for its guards only. The evidence is the decision's canonical
   JSON.
@@ -164,19 +164,11 @@ class CanaryJudge:
         publish: Publish,
         metrics: CanaryMetrics,
         *,
-        signals: Sequence[str] | None = None,
-        after_versions: int = 1,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if after_versions < 1:
-            raise ValueError(f"candidate_after_versions: {after_versions} is not >= 1")
         self._section = section
         self._feedback = feedback
-        self._signals = signals
-        """The signals the arms are compared on (None: the session's reward)."""
-        self._after_versions = after_versions
-        """A version becomes the candidate this many versions past stable."""
-        self.rule: CanaryConfig = section.rule(*reward_bounds(feedback, signals))
+        self.rule: CanaryConfig = section.rule(*reward_bounds(feedback, section.signals))
         self._store = store
         self._publish = publish
         self.metrics = metrics
@@ -188,11 +180,6 @@ class CanaryJudge:
         """Version -> evidence of the first engine that failed to load it."""
         self._in_flight: set[str] = set()
         """Ids published and not yet folded back (not published again meanwhile)."""
-        self._refused_at_start: set[bytes] = set()
-        """Decisions the history refused, as their bytes: the consumer that follows the
-        history may deliver those records again, and a record refused where it stands must
-        not apply against a later state (a copy published again, with its own decided_at,
-        is judged where it lands)."""
         self._started = False
         self._closed = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="canary-store")
@@ -267,7 +254,7 @@ class CanaryJudge:
         session is recorded here and not decided before, then decide what is due."""
         if not event.HasField("session"):
             return
-        value = canary_reward(event, self._feedback, self._signals)
+        value = canary_reward(event, self._feedback, self._section.signals)
         reward = None if value is None else self._bounded(value, event.group_id)
         observation = await self._call(CanaryStore.decided, event.group_id, reward)
         if observation is None:
@@ -294,7 +281,7 @@ class CanaryJudge:
                 and current is not None
                 and state.stable is not None
                 and current > state.stable
-                and steps_past(state, current) >= self._after_versions
+                and steps_past(state, current) >= self._section.candidate_after_versions
             ):
                 await self._decide(pb.ROLLOUT_ACTION_START, current, "new version", b"")
             return
@@ -361,13 +348,8 @@ class CanaryJudge:
             self._fold.announced(event)
         elif isinstance(event, pb.RolloutDecision):
             self._in_flight.discard(event.decision_id)
-            data = event.SerializeToString(deterministic=True)
-            if self._started and data in self._refused_at_start:
-                return  # that record again, after the history folded it
-            refused = self._fold.decided(event)
-            if refused is not None and not self._started:
-                self._refused_at_start.add(data)
-            elif refused is not None:
+            refused = self._fold.decided(event)  # replay-safe: records delivered again too
+            if refused is not None and self._started:
                 log.info("rollout decision refused", decision_id=event.decision_id, why=refused)
         elif not event.ok and int(event.version) not in self._load_failures:
             proof = {"engine": event.engine, "error": event.error, "version": event.version}

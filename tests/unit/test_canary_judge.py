@@ -67,20 +67,20 @@ class Topic:
             await judge.on_policy(self.events[self.delivered - 1])
 
 
-def make_judge(tmp_path: Path, topic: Topic, **options: Any) -> CanaryJudge:
+def make_judge(tmp_path: Path, topic: Topic, **settings: Any) -> CanaryJudge:
+    """A judge with SECTION's settings changed by `settings`."""
     return CanaryJudge(
-        SECTION,
+        SECTION.model_copy(update=settings),
         FEEDBACK,
         CanaryStore(tmp_path / "store"),
         topic.publish,
         CanaryMetrics(CollectorRegistry()),
         clock=lambda: NOW,
-        **options,
     )
 
 
-async def started(tmp_path: Path, topic: Topic, **options: Any) -> CanaryJudge:
-    judge = make_judge(tmp_path, topic, **options)
+async def started(tmp_path: Path, topic: Topic, **settings: Any) -> CanaryJudge:
+    judge = make_judge(tmp_path, topic, **settings)
     topic.delivered = len(topic.events)  # folded by start, along with what it publishes
     await judge.start(topic.history())
     await topic.deliver(judge)
@@ -357,7 +357,7 @@ def with_signals(value: float | None, **signals: float) -> pb.RewardAssigned:
     return reward
 
 
-def test_the_canary_compares_the_reward_or_only_the_signals_it_names() -> None:
+def test_the_canary_compares_the_reward_or_only_the_signals_it_names(tmp_path: Path) -> None:
     both = with_signals(0.75, thumbs=1.0, resolved=0.5)
     assert canary_reward(both, FEEDBACK, None) == 0.75
     assert canary_reward(both, FEEDBACK, ["resolved"]) == 0.5
@@ -367,6 +367,8 @@ def test_the_canary_compares_the_reward_or_only_the_signals_it_names() -> None:
     assert reward_bounds(FEEDBACK, ["resolved"]) == (-0.5, 0.5)
     with pytest.raises(ValueError, match=r"production\.canary\.signals: \['stars'\]"):
         reward_bounds(FEEDBACK, ["stars"])
+    with pytest.raises(ValueError, match=r"production\.canary\.signals: \['stars'\]"):
+        make_judge(tmp_path, Topic(), signals=["stars"])
 
 
 async def test_a_judge_on_a_held_out_signal_counts_that_signal(tmp_path: Path) -> None:
@@ -385,15 +387,13 @@ async def test_a_candidate_is_started_only_far_enough_past_stable_along_its_line
 ) -> None:
     topic = Topic()
     topic.events += [version(0), version(1), version(2)]
-    judge = await started(tmp_path, topic, after_versions=3)
+    judge = await started(tmp_path, topic, candidate_after_versions=3)
     assert topic.published == []
     await topic.deliver(judge, version(3))
     assert actions(topic) == [("start", 3, "new version")]
     failed = pb.PolicyLoaded(version=3, engine="e", ok=False, error="checksum")
     await topic.deliver(judge, failed, version(4), version(5, base=0), version(6), version(7))
     assert actions(topic)[1:] == [("rollback", 3, "load_failed"), ("start", 7, "new version")]
-    with pytest.raises(ValueError, match="candidate_after_versions"):
-        make_judge(tmp_path / "other", Topic(), after_versions=0)
 
 
 async def test_a_decision_refused_in_the_history_stays_refused_when_delivered_again(
