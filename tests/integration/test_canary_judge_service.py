@@ -2,14 +2,15 @@
 versions on hrl.policy, production sessions' ends on hrl.episodes as the gateway publishes
 them (arm, canary, stats), their feedback over the real feedback API with httpx; the
 service starts the newest version as candidate, then rolls it back on what the sessions'
-rewards say, with its evidence, on hrl.policy, also across a restart in the middle. The
+rewards say, with its evidence, on hrl.policy, also across a restart in the middle, or on
+what a held-out signal says however the trained-on thumbs go. The
 trainer and the gateway are played by the test (a real trainer needs a GPU and a model)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -48,11 +49,17 @@ PER_ARM = 10
 thumbs down while stable gets thumbs up (8 per arm are)."""
 
 CONFIG = CanarySection(enabled=True, share=0.5, alpha=0.2, min_sessions=4, mixture_sessions=1.0)
+THUMBS = {"thumbs": SignalRule(min=-1.0, max=1.0, required=True)}
+HELD_OUT = THUMBS | {"resolved": SignalRule(min=0.0, max=1.0, required=True, train=False)}
 
 
 @asynccontextmanager
 async def reward_service(
-    broker: EmbeddedBroker, tmp_path: Path, registry: CollectorRegistry
+    broker: EmbeddedBroker,
+    tmp_path: Path,
+    registry: CollectorRegistry,
+    canary: CanarySection = CONFIG,
+    signals: dict[str, SignalRule] = THUMBS,
 ) -> AsyncIterator[httpx.AsyncClient]:
     config = RewardConfig(
         instance="rw-0",
@@ -62,11 +69,9 @@ async def reward_service(
         reward=RewardSection(port=0, feedback_port=0, feedback_sweep_s=0.2),
         production=ProductionSection(
             apps=[AppSpec(name="desk", key_sha256=key_digest(KEY))],
-            feedback=FeedbackSection(
-                signals={"thumbs": SignalRule(min=-1.0, max=1.0, required=True)}
-            ),
+            feedback=FeedbackSection(signals=signals),
             store=tmp_path / "sessions",
-            canary=CONFIG,
+            canary=canary,
         ),
     )
     service = RewardService(config, Runtime("reward", "rw-0", registry, TracerProvider()))
@@ -119,13 +124,13 @@ def ended(i: int, arm: str) -> pb.EpisodeFinished:
     return event
 
 
-def first_decision() -> dict[str, int]:
+def first_decision(low: float = -1.0, high: float = 1.0) -> dict[str, int]:
     """Rewarded sessions per arm when the service's rule first rolls back, the rewards
-    arriving as `feedback` sends them."""
-    canary = Canary(CONFIG.rule(-1.0, 1.0))
+    arriving as `feedback` sends them (stable's `high`, the candidate's `low`)."""
+    canary = Canary(CONFIG.rule(low, high))
     for i in range(2 * PER_ARM):
         arm = ("stable", "candidate")[i % 2]
-        canary.observe(arm, 1.0 if arm == "stable" else -1.0, dict.fromkeys(CONFIG.guards, False))
+        canary.observe(arm, high if arm == "stable" else low, dict.fromkeys(CONFIG.guards, False))
         decision = canary.decide()
         if decision.action == "rollback":
             return decision.rewarded
@@ -140,9 +145,15 @@ def _is_decision(event: Any) -> bool:
     return isinstance(event, pb.RolloutDecision)
 
 
-async def feedback(client: httpx.AsyncClient, sessions: range) -> None:
-    """Thumbs up for the stable arm's sessions (even), down for the candidate's (odd), each
-    once its end is in the reward service's store."""
+def thumbs(i: int) -> dict[str, float]:
+    """Thumbs up for the stable arm's sessions (even), down for the candidate's (odd)."""
+    return {"thumbs": 1 if i % 2 == 0 else -1}
+
+
+async def feedback(
+    client: httpx.AsyncClient, sessions: range, signals: Callable[[int], dict[str, float]] = thumbs
+) -> None:
+    """Each session's `signals`, once its end is in the reward service's store."""
     headers = {"authorization": f"Bearer {KEY}"}
     for i in sessions:
 
@@ -151,9 +162,10 @@ async def feedback(client: httpx.AsyncClient, sessions: range) -> None:
             return answer.status_code == 200 and answer.json()["state"] == "awaiting_feedback"
 
         await eventually(known, timeout=30, interval=0.05)
-        body = {"session": f"s{i}", "name": "thumbs", "value": 1 if i % 2 == 0 else -1}
-        answer = await client.post("/v1/feedback", json=body, headers=headers)
-        assert answer.status_code == 202, answer.text
+        for name, value in signals(i).items():
+            body = {"session": f"s{i}", "name": name, "value": value}
+            answer = await client.post("/v1/feedback", json=body, headers=headers)
+            assert answer.status_code == 202, answer.text
 
 
 async def test_a_candidate_users_dislike_is_rolled_back_across_a_restart(
@@ -216,3 +228,36 @@ async def test_a_candidate_users_dislike_is_rolled_back_across_a_restart(
         await eventually(shown, timeout=10)
         labels = {"action": "rollback", "reason": "reward"}
         assert registry.get_sample_value("harnessrl_canary_decisions_total", labels) == 1
+
+
+async def test_a_canary_on_a_held_out_signal_ignores_the_thumbs_the_policy_is_paid_for(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """The candidate earns every thumbs up and solves nothing: judged on `resolved` (held
+    out, never trained on), it is rolled back."""
+
+    def gamed(i: int) -> dict[str, float]:
+        return {"thumbs": -1 if i % 2 == 0 else 1, "resolved": 1 if i % 2 == 0 else 0}
+
+    await publish(broker, tmp_path, pb.PolicyVersion(version=0), pb.PolicyVersion(version=1))
+    canary = CONFIG.model_copy(update={"signals": ["resolved"]})
+    arms = ["stable", "candidate"]
+    async with reward_service(broker, tmp_path, CollectorRegistry(), canary, HELD_OUT) as client:
+
+        async def decided() -> bool:
+            return len(await decisions(broker)) >= 1
+
+        await eventually(decided, timeout=30, interval=0.1)
+        sessions = range(2 * PER_ARM)
+        await publish(broker, tmp_path, *(ended(i, arms[i % 2]) for i in sessions))
+        await feedback(client, sessions, gamed)
+
+        async def rolled_back() -> bool:
+            return len(await decisions(broker)) == 2
+
+        await eventually(rolled_back, timeout=30, interval=0.1)
+        rollback = (await decisions(broker))[-1]
+        assert (rollback.action, rollback.reason) == (pb.ROLLOUT_ACTION_ROLLBACK, "reward")
+        proof = orjson.loads(rollback.evidence_json)
+        assert proof["means"] == {"stable": 1.0, "candidate": 0.0}
+        assert proof["rewarded"] == first_decision(0.0, 1.0)
