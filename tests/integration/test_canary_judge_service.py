@@ -3,8 +3,8 @@ versions on hrl.policy, production sessions' ends on hrl.episodes as the gateway
 them (arm, canary, stats), their feedback over the real feedback API with httpx; the
 service starts the newest version as candidate, then rolls it back on what the sessions'
 rewards say, with its evidence, on hrl.policy, also across a restart in the middle, or on
-what a held-out signal says however the trained-on thumbs go. The
-trainer and the gateway are played by the test (a real trainer needs a GPU and a model)."""
+what a held-out signal says however the trained-on thumbs go. The trainer and the gateway
+are played by the test (a real trainer needs a GPU and a model)."""
 
 from __future__ import annotations
 
