@@ -22,9 +22,9 @@ the next reconcile (a restarted trainer serves the stable and candidate again). 
 serves is known once it pulled a version (the loader's `adapters`); until then it loads as
 for adapters, the `follow` target first, and any other version only if it is an adapter
 (NotAnAdapter otherwise: nothing changes, and the replica now knows it serves full weights).
-Transient failures propagate: the consumer retries the event, and the fold is idempotent
-(RolloutState gives a decision id seen before its first outcome, so a replay changes
-nothing).
+Transient failures propagate: the consumer retries the event, and the fold is replay-safe
+(RolloutState's own: hrl.policy's history read at start, then the consumer's records, each
+folded as every other service folds it).
 """
 
 from __future__ import annotations
@@ -116,9 +116,7 @@ class RolloutFollower:
             self._addresses[int(event.version)] = event.weightsync_address
             self.rollout.announced(event)
             return
-        if self.rollout.outcome(event.decision_id)[0]:
-            return  # a replay, or a copy: it keeps its first outcome
-        reason = self.rollout.decided(event)
+        reason = self.rollout.decided(event)  # replay-safe: RolloutState dedupes itself
         if reason is not None:
             log.info("rollout decision refused", decision_id=event.decision_id, reason=reason)
 
