@@ -14,7 +14,8 @@ records, never from the fault injector's expectations.
 - episodes unaccounted: of the episodes the submitted groups call for, those whose last
   attempt has no `EpisodeFinished`.
 - tokens, itemized: completion tokens captured (every distinct call) = trained (loss-mask
-  tokens of the samples the trainer's lineage trained on) + dropped by the sample builder,
+  tokens of the samples the trainer trained on: its lineage's and a rewind's retired
+  versions') + dropped by the sample builder,
   by reason (the GroupSamples token books) + dropped by the trainer, by reason
   (PolicyVersion.tokens_dropped: stale, too_stale, deleted) + pending (samples published,
   neither trained nor dropped when the run stopped) + of attempts the
@@ -34,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from harnessrl.services.trainer.journal import Resume, StepRecord, lineage, trained_twice
+from harnessrl.services.trainer import journal as trainer_journal
 
 Attempt = tuple[str, int]  # (episode id, attempt)
 
@@ -108,7 +109,7 @@ class Books:
             self.reward_keys[event.group_id] = [s.idempotency_key for s in event.signals]
 
 
-def reconcile(books: Books, journal: Iterable[StepRecord | Resume]) -> dict[str, Any]:
+def reconcile(books: Books, journal: Iterable[trainer_journal.Record]) -> dict[str, Any]:
     """The figures of a run (see the module docstring)."""
     records = list(journal)
     captured: dict[Attempt, int] = defaultdict(int)
@@ -127,7 +128,7 @@ def reconcile(books: Books, journal: Iterable[StepRecord | Resume]) -> dict[str,
         answered += calls
         lost += max(0, calls - captured[key])
     closed_short = sum(1 for key, count in books.closed.items() if count < captured[key])
-    steps = lineage(records)
+    steps = trainer_journal.trained(records)  # retired versions' steps trained theirs too
     trained = [s for step in steps for s in step.samples]
     episodes_by_group: dict[str, set[str]] = defaultdict(set)
     for episode_id, group_id in books.episode_group.items():
@@ -155,7 +156,7 @@ def reconcile(books: Books, journal: Iterable[StepRecord | Resume]) -> dict[str,
         "episodes_unaccounted": unaccounted,
         "steps": len(steps),
         "samples_trained": len(trained),
-        "samples_trained_twice": len(trained_twice(records)),
+        "samples_trained_twice": len(trainer_journal.trained_twice(records)),
         **_tokens(books, trained),
         **_sessions(books, captured),
     }

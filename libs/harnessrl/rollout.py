@@ -91,6 +91,10 @@ class CanarySection(Section):
     candidate_after_versions: int = Field(default=1, ge=1)
     """A version becomes the candidate once it is this many versions past stable along the
     versions it was trained from (larger: fewer canaries when the trainer publishes often)."""
+    keep_s: float = Field(default=3600.0, ge=0.0)
+    """How long engines keep serving a version the rollout stopped needing (a stable
+    replaced by a promotion, a rolled-back candidate), so the sessions assigned to it end on
+    it; a session still open later moves to stable (counted by the gateway as a switch)."""
     guards: dict[str, GuardSection] = {name: GuardSection() for name in GUARDS}
     """The guards checked, by name (a subset of error, no_answer, tool_parse, slow)."""
 

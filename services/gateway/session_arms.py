@@ -37,14 +37,17 @@ class Route:
 
 
 def route(version: int, serving: Served, state: Rollout, *, retry_after_s: float) -> Route:
-    """The engines for a call of a session assigned `version`. Raises GatewayError 503 (with
-    Retry-After) when no engine serves it now and it is not retired, or when it is retired
-    and no engine serves stable either."""
+    """The engines for a call of a session assigned `version`. A version no engine serves
+    now that the rollout still needs (stable, candidate, current: an engine restarting) is a
+    503 with Retry-After; one it no longer needs (retired, or a stable replaced longer ago
+    than the engines keep it, `production.canary.keep_s`) moves the session to stable.
+    Raises GatewayError 503 when stable is served nowhere either."""
     engines = serving_engines(version, serving)
     if engines:
         return Route(version, engines)
     stable = state.stable
-    if state.retired(version) and stable is not None and stable != version:
+    needed = version in state.serving() and not state.retired(version)
+    if not needed and stable is not None and stable != version:
         engines = serving_engines(stable, serving)
         if engines:
             return Route(stable, engines, switched_from=version)

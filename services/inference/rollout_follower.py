@@ -5,11 +5,13 @@ With `production.canary.enabled` a replica does not simply load each newer versi
 with harnessrl.rollout.RolloutState, as every service does, and after each event makes the
 replica serve what the rollout needs:
 
-- a replica serving LoRA adapters keeps loaded exactly `Rollout.serving()` (stable,
-  candidate, current): it loads the missing ones, then unloads the rest; a loader that
-  keeps spare adapters (vLLM's keep_adapters) may leave the newest others loaded, never a
-  retired one (rolled back, or descending from a version that was). A retired version is
-  never loaded.
+- a replica serving LoRA adapters keeps loaded `Rollout.serving()` (stable, candidate,
+  current): it loads the missing ones; a version the rollout stops needing (a stable
+  replaced by a promotion, a rolled-back candidate) stays loaded `keep_s` longer, so the
+  sessions assigned to it end on it, then is unloaded (`expire`, called periodically); a
+  loader that keeps spare adapters (vLLM's keep_adapters) may leave the newest others
+  loaded, never a retired one (rolled back, or descending from a version that was). A
+  retired version is never loaded.
 - a replica serving full weights serves the one version its `follow` label names (newest:
   the current version; stable; candidate: the candidate, else the current version).
 
@@ -91,8 +93,14 @@ class RolloutFollower:
         engine_name: str,
         follow: Follow,
         registry: CollectorRegistry,
+        keep_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._loader = loader
+        self._keep_s = keep_s
+        self._clock = clock
+        self._released: dict[int, float] = {}
+        """Versions the rollout stopped needing while loaded -> when (the clock's seconds)."""
         self._name = engine_name
         self._follow = follow
         self.rollout = RolloutState()
@@ -151,6 +159,10 @@ class RolloutFollower:
             if self._loader.adapters and await self._unload_surplus(state):
                 report(self._report(max(self._loader.served)))
 
+    async def expire(self, report: Callable[[pb.PolicyLoaded], object]) -> None:
+        """Unload the versions kept past `keep_s` (the service calls it periodically)."""
+        await self.reconcile(report)
+
     def _wanted(self, state: Rollout) -> list[int]:
         """The versions to serve, the full-weight target first."""
         first = target(state, self._follow)
@@ -161,6 +173,13 @@ class RolloutFollower:
     async def _unload_surplus(self, state: Rollout) -> bool:
         """Unload what the rollout no longer needs; whether anything was unloaded."""
         wanted = set(self._wanted(state))
+        now = self._clock()
+        for version in wanted:
+            self._released.pop(version, None)
+        for version in set(self._loader.served) - wanted:
+            self._released.setdefault(version, now)
+        kept = {v for v, since in self._released.items() if now - since < self._keep_s}
+        wanted |= kept & set(self._loader.served)
         surplus = sorted(set(self._loader.served) - wanted, reverse=True)
         room = max(0, self._loader.keep - len(wanted & set(self._loader.served)))
         spare = [v for v in surplus if not state.retired(v)][:room]
@@ -169,6 +188,7 @@ class RolloutFollower:
             if version in spare or len(self._loader.served) < 2:
                 continue
             await self._loader.remove(version)
+            self._released.pop(version, None)
             log.info("policy version unloaded", version=version, retired=state.retired(version))
             unloaded = True
         return unloaded

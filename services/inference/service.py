@@ -179,8 +179,13 @@ class InferenceService:
         )
         group = f"harnessrl.inference.{self._config.instance}"
         if self._config.production.canary.enabled:
+            canary = self._config.production.canary
             rollout = RolloutFollower(
-                loader, engine_name=name, follow=section.follow, registry=self._runtime.registry
+                loader,
+                engine_name=name,
+                follow=section.follow,
+                registry=self._runtime.registry,
+                keep_s=canary.keep_s,
             )
 
             async def rebuild() -> None:
@@ -193,6 +198,8 @@ class InferenceService:
             }
             subscription = Subscription(group, handlers)
             self._follow_task = self._bus.consume(stack, subscription, before=rebuild).task
+            expiry = asyncio.create_task(self._expire(rollout, canary.keep_s), name="expire")
+            stack.callback(expiry.cancel)
             return
         follower = PolicyFollower(loader, engine_name=name, registry=self._runtime.registry)
 
@@ -236,6 +243,19 @@ class InferenceService:
         except Exception as err:  # the consumer still brings the next version
             log.warning("could not catch up with the newest policy version", error=repr(err))
 
+    async def _expire(self, rollout: RolloutFollower, keep_s: float) -> None:
+        """Unload, now and then, the versions kept past `keep_s` after the rollout stopped
+        needing them (between events nothing else would)."""
+        while True:
+            await asyncio.sleep(min(60.0, max(1.0, keep_s / 4)))
+            try:
+                await rollout.expire(self._publish_loaded)
+            except Exception as err:  # an engine or trainer away: the next tick retries
+                log.warning("could not unload expired versions", error=repr(err))
+
+    def _publish_loaded(self, loaded: pb.PolicyLoaded) -> None:
+        self._bus.producer.publish(loaded).add_done_callback(_log_unpublished)
+
     async def _rebuild_rollout(self, rollout: RolloutFollower) -> None:
         """Fold hrl.policy's history, then serve what the rollout needs: a replica started
         (or restarted) mid-canary loads the stable and the candidate again at once. The
@@ -250,11 +270,8 @@ class InferenceService:
                 if isinstance(event, pb.PolicyVersion | pb.RolloutDecision):
                     rollout.fold(event)
 
-        def publish(loaded: pb.PolicyLoaded) -> None:
-            self._bus.producer.publish(loaded).add_done_callback(_log_unpublished)
-
         async def reconcile() -> None:
-            await rollout.reconcile(publish)
+            await rollout.reconcile(self._publish_loaded)
 
         await retry(scan, backoff=Backoff(0.5, 5.0), max_attempts=10**6)
         try:

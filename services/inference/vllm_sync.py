@@ -139,6 +139,7 @@ class VllmSyncService:
                 engine_name=self.engine_name,
                 follow=section.follow,
                 registry=runtime.registry,
+                keep_s=config.production.canary.keep_s,
             )
         self._lock = asyncio.Lock()  # one swap or check at a time
         self._stopping = asyncio.Event()

@@ -68,7 +68,7 @@ async def trainer() -> AsyncIterator[WeightSyncServer]:
 class Replica:
     """An engine on the tiny model, its loader and a rollout follower (one process's)."""
 
-    def __init__(self, follow: Follow = "newest") -> None:
+    def __init__(self, follow: Follow = "newest", keep_s: float = 0.0) -> None:
         model, tokenizer = load_model(InferenceSection(model=TINY, device="cpu"))
         self.engine = Engine(
             model,
@@ -83,8 +83,14 @@ class Replica:
         loader = EngineLoader(
             self.engine, weightsync_puller(use_shm=False), base_model=TINY, served_name=NAME
         )
+        self.now = 0.0
         self.follower = RolloutFollower(
-            loader, engine_name="engine-a", follow=follow, registry=CollectorRegistry()
+            loader,
+            engine_name="engine-a",
+            follow=follow,
+            registry=CollectorRegistry(),
+            keep_s=keep_s,
+            clock=lambda: self.now,
         )
         self.task: asyncio.Task[None] | None = None
 
@@ -172,6 +178,28 @@ async def test_an_engine_serves_exactly_the_rollouts_versions_through_start_roll
         while await request.tokens.get() is not None:
             pass
         assert request.version == 3
+
+
+async def test_a_version_the_rollout_stops_needing_stays_served_keep_s_for_its_sessions(
+    trainer: WeightSyncServer, base: Any
+) -> None:
+    await _publish(trainer, base, 1)
+    async with Replica(keep_s=600.0) as replica:
+        engine = replica.engine
+        await replica.feed(_version(trainer, 0), _version(trainer, 1))
+        await replica.feed(_decision(pb.ROLLOUT_ACTION_START, 1, 0, share=0.5))
+        assert engine.versions == (0, 1)
+        # 0 is stable no more: its sessions may still be open, so it is kept a while.
+        assert await replica.feed(_decision(pb.ROLLOUT_ACTION_PROMOTE, 1, 0)) == []
+        assert engine.versions == (0, 1)
+        replica.now = 599.0
+        reports: list[pb.PolicyLoaded] = []
+        await replica.follower.expire(reports.append)
+        assert engine.versions == (0, 1) and reports == []
+        replica.now = 601.0
+        await replica.follower.expire(reports.append)
+        assert engine.versions == (1,)
+        assert [_serving(r) for r in reports] == [{1: f"{NAME}@v1"}]
 
 
 async def test_a_restarted_engine_mid_canary_loads_the_stable_and_the_candidate_again(

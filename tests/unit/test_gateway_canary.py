@@ -247,6 +247,18 @@ def test_a_retired_version_served_nowhere_is_served_from_stable() -> None:
     assert (calls.version, again.version, again.switched_from) == (1, 1, None)
 
 
+def test_a_replaced_stable_no_engine_keeps_any_longer_moves_its_sessions_to_stable() -> None:
+    rollout = _rollout()
+    promote = pb.RolloutDecision(
+        decision_id="d-pr", action=pb.ROLLOUT_ACTION_PROMOTE, version=2, stable=1
+    )
+    assert rollout.decided(promote) is None
+    kept = route(1, {A: {1: "v1", 2: "v2"}}, rollout.state, retry_after_s=1)
+    assert (kept.version, kept.switched_from) == (1, None)  # engines still keep it
+    moved = route(1, {A: {2: "v2"}}, rollout.state, retry_after_s=1)
+    assert (moved.version, moved.switched_from) == (2, 1)
+
+
 def test_guard_stats_count_errors_unparsed_tool_calls_and_the_last_answer() -> None:
     calls = SessionCalls(version=1, arm="stable")
     markup = {"choices": [{"index": 0, "message": {"content": '<tool_call>{"name": "x"'}}]}
