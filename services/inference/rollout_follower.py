@@ -108,6 +108,8 @@ class RolloutFollower:
         self._failed: dict[int, str] = {}
         """Versions refused (verification, another base, a bad fit), with why: never tried
         again."""
+        self._reported: dict[int, str] | None = None
+        """What the last PolicyLoaded(ok) said the replica serves."""
         self._gone: set[int] = set()
         """Versions reported gone: tried again, reported again only once loaded."""
         self._lock = asyncio.Lock()
@@ -155,9 +157,18 @@ class RolloutFollower:
                     continue
                 loaded = await self._load(version, adapter_only=version != full)
                 if loaded is not None:
-                    report(loaded)
-            if self._loader.adapters and await self._unload_surplus(state):
-                report(self._report(max(self._loader.served)))
+                    self._told(loaded, report)
+            if self._loader.adapters:
+                await self._unload_surplus(state)
+            if self._loader.served and self._reported != dict(self._loader.served):
+                # Unloads, or what the replica served before it first heard of the rollout
+                # (its initial weights, version 0): the gateways learn of it here.
+                self._told(self._report(max(self._loader.served)), report)
+
+    def _told(self, loaded: pb.PolicyLoaded, report: Callable[[pb.PolicyLoaded], object]) -> None:
+        if loaded.ok:
+            self._reported = {s.version: s.model for s in loaded.serving}
+        report(loaded)
 
     async def expire(self, report: Callable[[pb.PolicyLoaded], object]) -> None:
         """Unload the versions kept past `keep_s` (the service calls it periodically)."""

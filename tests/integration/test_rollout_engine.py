@@ -147,7 +147,10 @@ async def test_an_engine_serves_exactly_the_rollouts_versions_through_start_roll
     async with Replica() as replica:
         engine = replica.engine
         # 0 is the trainer's initial weights (the base) and stable; 1, then 2 is current.
-        (loaded,) = await replica.feed(_version(trainer, 0), _version(trainer, 1))
+        # The initial weights are reported at once: the gateways route stable's sessions.
+        (initial,) = await replica.feed(_version(trainer, 0))
+        assert (initial.version, _serving(initial)) == (0, {0: f"{NAME}@v0"})
+        (loaded,) = await replica.feed(_version(trainer, 1))
         assert (loaded.version, loaded.ok, loaded.served_model) == (1, True, f"{NAME}@v1")
         assert _serving(loaded) == {0: f"{NAME}@v0", 1: f"{NAME}@v1"}
         loaded, unloaded = await replica.feed(_version(trainer, 2))
@@ -241,8 +244,8 @@ async def test_a_version_that_fails_verification_or_is_gone_is_reported_and_neve
             _version(trainer, 1),
             _decision(pb.ROLLOUT_ACTION_START, 1, 0, share=0.2),
         )
-        assert [(r.version, r.ok) for r in reports] == [(1, False)]
-        assert "another" in reports[0].error and _serving(reports[0]) == {0: f"{NAME}@v0"}
+        assert [(r.version, r.ok) for r in reports] == [(0, True), (1, False)]
+        assert "another" in reports[1].error and _serving(reports[1]) == {0: f"{NAME}@v0"}
         assert replica.engine.versions == (0,)
         assert await replica.feed(_version(trainer, 0)) == []  # never tried again
 
@@ -273,8 +276,8 @@ async def test_a_full_weight_engine_serves_the_version_its_follow_label_names(
             _decision(pb.ROLLOUT_ACTION_START, 1, 0, share=0.2),
         )
         assert replica.engine.versions == (served,)
-        if served == 0:
-            assert reports == []  # it serves its initial weights; nothing was loaded
+        if served == 0:  # its initial weights: nothing loaded, what it serves reported
+            assert [(r.version, _serving(r)) for r in reports] == [(0, {0: f"{NAME}@v0"})]
         else:
             assert (reports[-1].version, reports[-1].ok) == (served, True)
             assert _serving(reports[-1]) == {served: f"{NAME}@v{served}"}

@@ -72,14 +72,15 @@ async def running_sync(
     **section: Any,
 ) -> AsyncIterator[tuple[VllmSyncService, CollectorRegistry]]:
     """A VllmSyncService for the vLLM at `url`, checking it every 0.3 s (`section`: more
-    vllm_sync settings; `canary`: production.canary.enabled)."""
+    vllm_sync settings; `canary`: production.canary.enabled, versions unloaded as soon as the
+    rollout stops needing them: keep_s 0)."""
     config = VllmSyncConfig(
         instance=instance,
         kafka=KafkaSettings(bootstrap_servers=broker.bootstrap, partitions=3),
         consumer=ConsumerSettings(**FAST_GROUP, retry_backoff_ms=50),
         producer=ProducerSettings(spill_dir=tmp_path / f"spill-{instance}"),
         vllm_sync=VllmSyncSection(port=0, vllm_url=url, check_interval_s=0.3, **section),
-        production=ProductionSection(canary=CanarySection(enabled=canary)),
+        production=ProductionSection(canary=CanarySection(enabled=canary, keep_s=0.0)),
     )
     registry = CollectorRegistry()
     service = VllmSyncService(config, Runtime("vllm-sync", instance, registry, TracerProvider()))
@@ -496,6 +497,7 @@ async def test_during_a_canary_the_stable_and_candidate_adapters_are_never_unloa
         await _serving(broker, {1: "policy-v1", 2: "policy-v2", 3: "policy-v3"})
         assert sorted(lora_vllm.adapters) == ["policy-v1", "policy-v2", "policy-v3"]
         assert [sorted(s.version for s in e.serving) for e in await _loaded(broker)] == [
+            [0],  # the initial weights, reported before anything is loaded
             [0, 1],
             [1],
             [1, 2],
@@ -541,5 +543,5 @@ async def test_during_a_canary_a_full_weight_vllm_serves_its_follow_label(
         await _serving(broker, {2: ""})  # no candidate: the current version
         await _policy(broker, tmp_path, _decided(pb.ROLLOUT_ACTION_START, 1, 0))
         await _serving(broker, {1: ""})  # the candidate, older than current
-        assert [e.version for e in await _loaded(broker)] == [1, 2, 1]
+        assert [e.version for e in await _loaded(broker)] == [0, 1, 2, 1]
         assert await service.vllm.check() == 1  # what vLLM's workers serve
