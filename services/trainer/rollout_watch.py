@@ -43,10 +43,31 @@ class RolloutWatch:
         self._kept: frozenset[int] | None = None
         """The versions protected and archived by the last `keep` (None: never kept)."""
         self._keeping = asyncio.Lock()
+        self._depths: dict[int, int] = {}
+        """Version -> its depth (`depth`), memoised: a version's base never changes."""
 
     @property
     def state(self) -> Rollout:
         return self._fold.state
+
+    def depth(self, version: int) -> int:
+        """Steps from the first weights to `version` along the versions it was trained from
+        (PolicyVersion.base): after a rewind to stable, the next version is one step past
+        stable, however high its number. A version not announced yet counts as its number."""
+        known = self._depths.get(version)
+        if known is not None:
+            return known
+        bases = self._fold.state.bases
+        chain: list[int] = []
+        current: int | None = version
+        while current is not None and current not in self._depths and current in bases:
+            chain.append(current)
+            current = bases[current]
+        depth = self._depths.get(current, current) if current is not None else 0
+        for item in reversed(chain):
+            depth += 1
+            self._depths[item] = depth
+        return self._depths.get(version, version)
 
     def retired(self, version: int) -> bool:
         """Whether `version` was rolled back or descends from a version that was."""

@@ -80,6 +80,7 @@ class TrainerService:
             max_staleness=self._settings.max_staleness,
             max_session_staleness=self._settings.max_session_staleness,
             retired=None if self._watch is None else self._watch.retired,
+            depth=None if self._watch is None else self._watch.depth,
         )
         self._ledger: DeliveryLedger[Hold] = DeliveryLedger(
             max_staleness=self._batcher.staleness.remembered
@@ -500,18 +501,19 @@ class TrainerService:
                 self.version, self.step, policy.state_dict(), adapter=self._adapter
             )
         self.metrics.published_bytes.set(manifest.total_bytes)
-        await self._bus.producer.publish(
-            pb.PolicyVersion(
-                version=self.version,
-                step=self.step,
-                weightsync_address=self._address(server),
-                manifest_checksum=manifest.manifest_checksum,
-                checkpoint_uri=checkpoint,
-                session_groups=sessions or [],
-                tokens_dropped={k: v for k, v in sorted(self._dropped_since.items()) if v},
-                base=base,
-            )
+        announced = pb.PolicyVersion(
+            version=self.version,
+            step=self.step,
+            weightsync_address=self._address(server),
+            manifest_checksum=manifest.manifest_checksum,
+            checkpoint_uri=checkpoint,
+            session_groups=sessions or [],
+            tokens_dropped={k: v for k, v in sorted(self._dropped_since.items()) if v},
+            base=base,
         )
+        if self._watch is not None:  # its own lineage at once (staleness counts steps on it)
+            self._watch.announced(announced)
+        await self._bus.producer.publish(announced)
         self._dropped_since.clear()
 
     def _address(self, server: WeightSyncServer) -> str:

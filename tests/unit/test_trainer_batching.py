@@ -67,3 +67,14 @@ def test_a_production_sessions_samples_have_a_staleness_bound_of_their_own() -> 
     assert taken.samples == [] and taken.stale == ["s.support.t-1/0"]
     assert batcher.dropped_tokens["too_stale"] == 4
     assert batcher.staleness.remembered == 8
+
+
+def test_after_a_rewind_staleness_counts_the_steps_along_the_lineage() -> None:
+    """The trainer rewound from version 25 to stable 0 (a canary rollback): version 26 was
+    trained from 0, so a sample of stable 0 is one step behind it, not 26."""
+    depths = {0: 0, **{v: v for v in range(1, 26)}, 26: 1, 27: 2, 28: 3}
+    batcher = Batcher(batch_groups=1, batch_tokens=None, max_staleness=2, depth=depths.__getitem__)
+    assert batcher.add(group("stable-arm", 0), version=26, trained=set())
+    assert batcher.add(group("later", 0), version=27, trained=set())
+    assert [s.sample_id for s in batcher.take(version=27).samples] == ["stable-arm/0"]
+    assert batcher.take(version=28).stale == ["later/0"]  # three steps past 0 now

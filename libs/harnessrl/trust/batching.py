@@ -35,12 +35,16 @@ class Staleness:
     max_session_versions: int = 0
     """The same for a production session's sample."""
 
-    def stale(self, version: int, oldest: int, horizon: int = 0, *, session: bool = False) -> bool:
+    def stale(
+        self, version: int, oldest: int, horizon: int = 0, *, session: bool = False, age: int = -1
+    ) -> bool:
         """Whether a sample whose oldest call was made by policy `oldest` is stale at policy
-        `version`; one older than `horizon` (the trainer ledger's, below which it no longer
-        remembers what was trained) is stale however large `max_versions` is."""
+        `version` (`age`, when >= 0: the steps between them along the weights' lineage, which
+        differs from `version - oldest` after a rewind); one older than `horizon` (the
+        trainer ledger's, below which it no longer remembers what was trained) is stale
+        however large `max_versions` is."""
         bound = self.max_session_versions if session else self.max_versions
-        return version - oldest > bound or oldest < horizon
+        return (version - oldest if age < 0 else age) > bound or oldest < horizon
 
     @property
     def remembered(self) -> int:
@@ -74,11 +78,15 @@ class Batcher:
         max_staleness: int,
         max_session_staleness: int = 0,
         retired: Callable[[int], bool] | None = None,
+        depth: Callable[[int], int] | None = None,
     ) -> None:
         """`retired(version)`: whether a version was rolled back or descends from one (a
-        canary rollout's RolloutState; None: no version ever is)."""
+        canary rollout's RolloutState; None: no version ever is). `depth(version)`: its
+        steps from the first weights along the versions it was trained from, so staleness
+        counts the steps a sample is behind after a rewind too (None: the version number)."""
         self._batch_groups = batch_groups
         self._retired = retired
+        self._depth = depth
         self._batch_tokens = batch_tokens
         self.staleness = Staleness(max_staleness, max_session_staleness)
         self._horizon = 0
@@ -110,7 +118,11 @@ class Batcher:
                 self.dropped_tokens["rolled_back"] += sum(1 for m in sample.loss_mask if m)
                 continue
             if self.staleness.stale(
-                version, sample.policy_version_min, self._horizon, session=session
+                version,
+                sample.policy_version_min,
+                self._horizon,
+                session=session,
+                age=self._age(version, sample.policy_version_min),
             ):
                 self.dropped[reason] += 1
                 self.dropped_tokens[reason] += sum(1 for m in sample.loss_mask if m)
@@ -159,6 +171,10 @@ class Batcher:
         tokens = sum(entry.tokens for entry in self._pending)
         return self._batch_tokens is not None and tokens >= self._batch_tokens and tokens > 0
 
+    def _age(self, version: int, oldest: int) -> int:
+        """Steps from `oldest` to `version` along the lineage (-1: count version numbers)."""
+        return -1 if self._depth is None else max(0, self._depth(version) - self._depth(oldest))
+
     def take(self, version: int) -> Batch:
         """The next batch at policy `version`: the oldest `batch_groups` groups, or fewer
         once `batch_tokens` tokens are reached. Samples that grew stale while they waited,
@@ -176,7 +192,11 @@ class Batcher:
                 if self.rolled_back(s.policy_version_min, newest.get(s.sample_id, 0)):
                     dropped["rolled_back"].append(s)
                 elif self.staleness.stale(
-                    version, s.policy_version_min, self._horizon, session=entry.session
+                    version,
+                    s.policy_version_min,
+                    self._horizon,
+                    session=entry.session,
+                    age=self._age(version, s.policy_version_min),
                 ):
                     dropped[too_old].append(s)
                 else:
