@@ -30,7 +30,8 @@ from harnessrl.apps.doctor.checks import (
     worst,
 )
 from harnessrl.apps.doctor.collect import Collected
-from harnessrl.apps.doctor.traffic_read import MARKUPS, read_call
+from harnessrl.apps.doctor.traffic_read import read_call
+from harnessrl.services.gateway.tool_markup import MARKUPS
 from harnessrl.services.sample_builder.config import SampleBuilderSection
 from harnessrl.trust.group import Group
 from harnessrl.trust.merging import merge

@@ -90,9 +90,9 @@ def _settings(config: Path | None, markups: tuple[str, ...]) -> tuple[_Loaded, P
     from pydantic import ValidationError
 
     from harnessrl.apps.doctor.analyze import Settings
-    from harnessrl.apps.doctor.traffic_read import MARKUPS
     from harnessrl.config import load_config
     from harnessrl.services.gateway.config import GatewayConfig
+    from harnessrl.services.gateway.tool_markup import MARKUPS
     from harnessrl.services.inference.config import InferenceConfig
     from harnessrl.services.sample_builder.config import SampleBuilderConfig
 

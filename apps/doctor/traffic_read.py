@@ -11,17 +11,6 @@ from typing import Any
 
 from harnessrl.v1 import events_pb2 as pb
 
-MARKUPS = (
-    "<tool_call>",  # Hermes, Qwen2.5/3 (vLLM's hermes parser)
-    "<function=",  # Qwen3-Coder, Llama 3.x's XML style
-    "[TOOL_CALLS]",  # Mistral
-    "<|python_tag|>",  # Llama 3.1+
-    "<\uff5ctool\u2581calls\u2581begin\uff5c>",  # DeepSeek V3/R1 (fullwidth bars)
-    "<|tool_calls_section_begin|>",  # Kimi K2
-    "to=functions.",  # gpt-oss (harmony)
-)
-"""Where a completion starts a tool call, in the tool-call formats vLLM's parsers read."""
-
 NOT_HARNESS = frozenset({"/metrics", "/healthz"})
 """Routes of the gateway's port that no harness call takes."""
 

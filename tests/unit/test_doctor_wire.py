@@ -6,7 +6,6 @@ import json
 from typing import Any
 
 from harnessrl.apps.doctor.traffic_read import (
-    MARKUPS,
     counter_delta,
     overrides,
     read_call,
@@ -14,6 +13,7 @@ from harnessrl.apps.doctor.traffic_read import (
     unparsed_cause,
 )
 from harnessrl.services.gateway.config import GatewaySection
+from harnessrl.services.gateway.tool_markup import MARKUPS
 from harnessrl.v1 import events_pb2 as pb
 
 
