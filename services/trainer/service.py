@@ -261,7 +261,7 @@ class TrainerService:
             ledger.offer(group.samples, taken=(), hold=ctx.hold)
             return
         taken = self._batcher.add(
-            group, version=self.version, trained=ledger.known, horizon=ledger.horizon
+            group, version=self._position(), trained=ledger.known, horizon=ledger.horizon
         )
         self._count_dropped()
         # Acknowledged only once a checkpoint holds its samples, also for a re-delivery of
@@ -271,6 +271,21 @@ class TrainerService:
             self._due.set()
             if self._batcher.pending_groups >= 2 * self._settings.batch_groups:
                 self._room.clear()
+
+    def _position(self) -> int:
+        """The version whose weights the trainer holds, for staleness: after a rewind, the
+        stable version's (the batcher counts steps from it along the lineage)."""
+        return self.version if self._watch is None else self._weights
+
+    def _remembering(self) -> int:
+        """The version the ledger measures what it must remember from. Under a canary the
+        stable version serves most sessions for as long as a candidate is judged: the ledger
+        keeps every trained sample of it (a copy is recognised, a fresh one is not below the
+        horizon), however far the trainer's versions run ahead."""
+        stable = None if self._watch is None else self._watch.state.stable
+        if stable is None:
+            return self.version
+        return min(self.version, stable + self._batcher.staleness.remembered)
 
     def _count_dropped(self) -> None:
         for reason, count in self._batcher.dropped.items():
@@ -291,7 +306,7 @@ class TrainerService:
             await self._rewind_if_retired()  # between steps, never during one
             if not self._batcher.due:
                 continue
-            batch = self._batcher.take(self.version)
+            batch = self._batcher.take(self._position())
             self._count_dropped()
             self._ledger.take((s.sample_id for s in batch.samples), stale=batch.stale)
             if self._batcher.pending_groups < 2 * settings.batch_groups:
@@ -307,7 +322,7 @@ class TrainerService:
                 self.step += 1
                 self.version += 1
                 self._base, self._weights = started_from, self.version
-                self._ledger.trained(self.version)
+                self._ledger.trained(self._remembering())
                 assert self._journal is not None
                 self._journal.record(self.step, self.version, (s.sample_id for s in batch.samples))
             finally:
@@ -371,7 +386,7 @@ class TrainerService:
         (`replace`: one saved at this step already, before a rewind, is replaced)."""
         assert self._policy is not None
         policy = self._policy
-        snapshot = self._ledger.snapshot(self.version)
+        snapshot = self._ledger.snapshot(self._remembering())
         state = TrainerState(
             step=self.step,
             policy_version=self.version,

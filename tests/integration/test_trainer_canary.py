@@ -51,7 +51,7 @@ async def canary_trainer(
             weightsync={"port": 0, "keep_versions": 1},
             batch_groups=1,
             checkpoint_every=1,
-            max_staleness=10,
+            max_staleness=1,  # counted along the lineage: stable is 0 steps behind a rewind
             lr=1e-3,
             lora=lora,
         ),
