@@ -116,14 +116,26 @@ def read_adapter_dir(directory: Path, model: torch.nn.Module) -> None:
     model's (missing, unknown or mis-shaped), before anything is changed.
     """
     _, tensors = read_peft_dir(directory)
-    targets = adapter_tensors(model.state_dict())
+    copy_exactly(tensors, adapter_tensors(model.state_dict()), str(directory))
+
+
+def copy_exactly(
+    tensors: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], what: str
+) -> None:
+    """Copy `tensors` into the live `targets` of the same names. Raises ValueError naming
+    the tensors, before any is changed, unless the names, shapes and dtypes are exactly the
+    targets'."""
     unknown = sorted(set(tensors) - set(targets))
     missing = sorted(set(targets) - set(tensors))
-    wrong = sorted(n for n in set(tensors) & set(targets) if tensors[n].shape != targets[n].shape)
+    wrong = sorted(
+        n
+        for n in set(tensors) & set(targets)
+        if tensors[n].shape != targets[n].shape or tensors[n].dtype != targets[n].dtype
+    )
     if unknown or missing or wrong:
         raise ValueError(
-            f"{directory}: adapters do not fit the model: unknown {unknown[:3]}, "
-            f"missing {missing[:3]}, mis-shaped {wrong[:3]}"
+            f"{what}: tensors do not fit the model: unknown {unknown[:3]}, missing "
+            f"{missing[:3]}, mis-shaped or of another dtype {wrong[:3]}"
         )
     with torch.no_grad():
         for name, tensor in tensors.items():

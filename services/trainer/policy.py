@@ -24,7 +24,7 @@ from harnessrl.logs import get_logger
 from harnessrl.services.trainer import tensors
 from harnessrl.services.trainer.config import TrainerSection
 from harnessrl.services.trainer.distributed import World
-from harnessrl.services.trainer.lora import adapter_tensors, apply_lora
+from harnessrl.services.trainer.lora import adapter_tensors, apply_lora, copy_exactly
 from harnessrl.services.trainer.memory_plan import check_fits
 from harnessrl.services.trainer.precision import compute_dtype
 from harnessrl.services.trainer.sharding import full, is_sharded, shard
@@ -185,23 +185,7 @@ class Policy:
             raise NotImplementedError(
                 "rewinding a sharded (FSDP) trainer is not supported under production.canary"
             )
-        stored = load_file(str(weights))
-        targets = self.state_dict()  # published name -> the live tensor
-        unknown = sorted(set(stored) - set(targets))
-        missing = sorted(set(targets) - set(stored))
-        wrong = sorted(
-            n
-            for n in set(stored) & set(targets)
-            if stored[n].shape != targets[n].shape or stored[n].dtype != targets[n].dtype
-        )
-        if unknown or missing or wrong:
-            raise ValueError(
-                f"{weights}: tensors do not fit the model: unknown {unknown[:3]}, missing "
-                f"{missing[:3]}, mis-shaped or of another dtype {wrong[:3]}"
-            )
-        with torch.no_grad():
-            for name, tensor in stored.items():
-                targets[name].copy_(tensor)
+        copy_exactly(load_file(str(weights)), self.state_dict(), str(weights))
         self.optimizer, self.scheduler = self._fresh_optimizer()
 
     def _autocast(self) -> Any:
