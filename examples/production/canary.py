@@ -17,7 +17,9 @@ trains). Two phases:
 
 Then it checks the topics: every conversation's calls were all served by the version it
 was assigned at its first call (none switched), and reports each decision with its
-evidence and the sessions each candidate served, in RUN_DIR/canary.json (the last line
+evidence, the sessions each candidate served and the token books (captured = trained +
+dropped by reason, `trainer:rolled_back` among them, + pending + undecided), in
+RUN_DIR/canary.json (the last line
 printed is its summary). A progress line every 15 seconds.
 
     python -m examples.production.canary --run-dir runs/canary
@@ -41,7 +43,8 @@ from typing import IO, Any
 
 import httpx
 from examples.calculator.tasks import problems
-from examples.production.demo import DemoError, help_desk
+from examples.production.demo import DemoError, help_desk, measure
+from examples.production.report import books
 from examples.production.users import Outcome, ask
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,6 +199,9 @@ async def run_canary(options: Options, progress: IO[str]) -> dict[str, Any]:
         try:
             await stack.start(180.0)
             report = await _phases(stack, plan, options, progress)
+            urls = {c.name: c.health_url.removesuffix("/healthz") for c in plan.children}
+            journal = run_dir / "trainer" / "steps.jsonl"
+            report["books"] = books(await measure(plan.bootstrap, urls, journal))
             await stack.stop([n for n in stack.names if n != "broker"])
             report.update(await _measure(plan.bootstrap, report))
         finally:
@@ -370,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
             "kills",
             "sessions",
             "sessions_switched_version",
+            "books",
             "minutes",
         )
     }

@@ -71,7 +71,8 @@ async def run_demo(
                 await run_users(app_url, minutes * 60, behaviour, on_outcome=outcomes.append)
             finally:
                 ticker.cancel()
-        measured = await _measure(stack.bootstrap, stack.urls, run_dir)
+        journal = run_dir / "stack" / "trainer" / "steps.jsonl"
+        measured = await measure(stack.bootstrap, stack.urls, journal)
     with (run_dir / "outcomes.jsonl").open("w") as out:
         out.writelines(json.dumps(asdict(o)) + "\n" for o in outcomes)
     app = _app()
@@ -157,14 +158,15 @@ async def _counters(base_url: str) -> dict[str, dict[str, float]]:
     return found
 
 
-async def _measure(bootstrap: str, urls: dict[str, str], run_dir: Path) -> Measured:
+async def measure(bootstrap: str, urls: dict[str, str], journal: Path) -> Measured:
     """What the stack did with the app's sessions: their calls' completion tokens
     (hrl.calls), the sample builder's books (its /metrics), the trained sessions' samples
-    (hrl.samples), the trainer's dropped tokens (its /metrics) and its step journal."""
+    (hrl.samples), the trainer's dropped tokens (its /metrics) and the steps of its journal
+    that count as trained (a rewind's retired versions' too)."""
     from harnessrl import events
     from harnessrl.bus.snapshot import read_to_end
     from harnessrl.config import KafkaSettings
-    from harnessrl.services.trainer.journal import lineage, read
+    from harnessrl.services.trainer.journal import read, trained
     from harnessrl.v1 import events_pb2 as pb
 
     await asyncio.sleep(5.0)  # the last decided sessions reach the trainer
@@ -184,7 +186,7 @@ async def _measure(bootstrap: str, urls: dict[str, str], run_dir: Path) -> Measu
         builder=builder.get("harnessrl_samples_completion_tokens_total", {}),
         groups=list(groups.values()),
         trainer_dropped=trainer.get("harnessrl_trainer_tokens_dropped_total", {}),
-        steps=lineage(read(run_dir / "stack" / "trainer" / "steps.jsonl")),
+        steps=trained(read(journal)),
     )
 
 

@@ -41,7 +41,7 @@ class Measured:
     trainer_dropped: Mapping[str, float]
     """harnessrl_trainer_tokens_dropped_total by reason."""
     steps: list[StepRecord]
-    """The trainer's step journal (its lineage)."""
+    """The steps of the trainer's journal that count as trained (journal.trained)."""
 
 
 def _rate(outcomes: Sequence[Outcome]) -> float | None:
@@ -90,7 +90,7 @@ def summarise(
             }
             for kind in sorted({o.kind for o in greedy})
         },
-        "books": _books(measured),
+        "books": books(measured),
         "steps": [
             {"step": s.step, "version": s.version, "samples": len(s.samples), "at_s": s.at - first}
             for s in measured.steps
@@ -117,7 +117,7 @@ def _timeline(
     return buckets
 
 
-def _books(measured: Measured) -> dict[str, Any]:
+def books(measured: Measured) -> dict[str, Any]:
     """Completion tokens of the app's sessions: captured = trained + dropped (by reason) +
     pending + undecided. The sample builder drops what it does not train (not_explored,
     reward_missing, ...); of what it kept, the trainer trained some in the steps of its
