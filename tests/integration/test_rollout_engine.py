@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import pytest
 import pytest_asyncio
 import torch
@@ -26,9 +27,11 @@ from harnessrl.services.inference.service import load_model
 from harnessrl.services.trainer.config import LoraSection
 from harnessrl.services.trainer.lora import adapter_spec
 from harnessrl.v1 import events_pb2 as pb
+from harnessrl.v1 import weights_pb2_grpc as pb_grpc
 from harnessrl.weights import WeightSyncServer
 from harnessrl.weights.settings import WeightSyncSettings
 from tests.model_helpers import TINY
+from tests.weight_helpers import FaultInjector
 
 pytestmark = pytest.mark.integration
 
@@ -259,6 +262,34 @@ async def test_a_version_that_fails_verification_or_is_gone_is_reported_and_neve
         (loaded,) = await replica.feed(_version(trainer, 2))
         assert (loaded.version, loaded.ok) == (2, True)
         assert replica.engine.versions == (0, 2)
+
+
+async def test_a_candidate_whose_adapter_fails_its_checksum_is_never_served(
+    trainer: WeightSyncServer, base: Any
+) -> None:
+    """The candidate's bytes arrive corrupted (a flipped byte on the wire): the replica
+    reports the checksum failure (the judge rolls the candidate back on it), keeps serving
+    stable alone, and a request naming the candidate is refused."""
+    await _publish(trainer, base, 1)
+    proxy = grpc.aio.server()
+    pb_grpc.add_WeightSyncServicer_to_server(FaultInjector(trainer.address, "flip"), proxy)
+    corrupting = f"127.0.0.1:{proxy.add_insecure_port('127.0.0.1:0')}"
+    await proxy.start()
+    try:
+        async with Replica() as replica:
+            announced = pb.PolicyVersion(version=1, step=1, weightsync_address=corrupting)
+            reports = await replica.feed(
+                _version(trainer, 0), announced, _decision(pb.ROLLOUT_ACTION_START, 1, 0, 0.5)
+            )
+            refused = [r for r in reports if not r.ok]
+            assert [r.version for r in refused] == [1]
+            assert "checksum" in refused[0].error
+            assert _serving(reports[-1]) == {0: f"{NAME}@v0"}
+            assert replica.engine.versions == (0,)
+            with pytest.raises(Exception, match="version 1 is not served"):
+                replica.engine.submit([5, 6], SamplingParams(max_tokens=1), version=1)
+    finally:
+        await proxy.stop(0)
 
 
 @pytest.mark.parametrize(("follow", "served"), [("stable", 0), ("candidate", 1), ("newest", 2)])
