@@ -322,8 +322,9 @@ class SessionStats(_message.Message):
     tool call); false when it ended on a failure or had no answered call.
     """
     latency_ms_sum: _builtins.float
-    """Sum and largest of the calls' latency (request received to last byte), milliseconds."""
+    """Sum of the calls' latency (request received to last byte), milliseconds."""
     latency_ms_max: _builtins.float
+    """Largest latency of one call, milliseconds (the `slow` guard compares it with slow_ms)."""
     def __init__(
         self,
         *,
@@ -1481,7 +1482,9 @@ class ServedVersion(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     version: _builtins.int
+    """The policy version."""
     model: _builtins.str
+    """The model name a request carries to be served it ("": the engine's own name)."""
     def __init__(
         self,
         *,
