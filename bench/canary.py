@@ -1,5 +1,5 @@
 """`harnessrl bench canary`: how often the canary rule (trust/canary.py) decides wrongly,
-how often rightly, and how many sessions it takes, simulated (numpy, seeded, seconds).
+how often rightly, and how many sessions it takes, simulated (numpy, seeded, minutes).
 
 Each run is one canary: sessions go to the candidate with probability --share, else to
 stable, up to --max-sessions; each has a 0/1 reward (the arm's success rate) and two guard
@@ -14,9 +14,10 @@ success 0.6, errors 1%, no answers 2%:
 - guard_harmful: equal rewards, the candidate's error rate 10%: rightly rolled back by the
   error guard.
 
-The rule is vectorised over runs and sessions with trust/canary.py's own `radius`; the first
-run of every scenario is replayed through `Canary` itself and must end the same way. The
-last line is one JSON object.
+The rule is vectorised over runs and sessions with trust/canary.py's own `radius` and
+`failure_bounds` (the guards' bounds only up to the session where the reward test stopped
+the run); the first run of every scenario is replayed through `Canary` itself and must end
+the same way. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -113,12 +114,20 @@ def decide(s: Sessions, config: CanaryConfig) -> tuple[Any, Any, Any]:
     sigma = (config.high - config.low) / 2.0
     lower, upper = interval(s.reward, sigma, config.alpha)
     reasons = ["error", "no_answer", "reward", "reward"]
+    by_reward = [ready & (upper < 0.0), ready & (lower > -config.delta)]
+    # The guards only matter before the reward test stops a run: their (costlier) bounds
+    # are computed up to the last session any run of the chunk is still going.
+    ends: Any = np.logical_or(*by_reward)  # (R, N)
+    horizon = int(np.where(ends.any(axis=1), ends.argmax(axis=1), c.shape[1] - 1).max()) + 1
     stops = []
     for name, failed in (("error", s.error), ("no_answer", s.no_answer)):
         rule = config.guards[name]
-        guard_lower, _ = interval(failed.astype(np.float64), 0.5, rule.alpha)
-        stops.append(ready & (guard_lower > rule.margin))
-    stops += [ready & (upper < 0.0), ready & (lower > -config.delta)]
+        guard = np.zeros_like(ready)
+        guard[:, :horizon] = ready[:, :horizon] & (
+            guard_lower(failed[:, :horizon], c[:, :horizon], rule.alpha) > rule.margin
+        )
+        stops.append(guard)
+    stops += by_reward
     stop = np.stack(stops)  # (4, R, N): the checks in Canary.decide's order
     first = np.where(stop.any(axis=2), stop.argmax(axis=2), c.shape[1])  # (4, R)
     when = first.min(axis=0)  # (R,)
@@ -126,6 +135,22 @@ def decide(s: Sessions, config: CanaryConfig) -> tuple[Any, Any, Any]:
     action = np.array(["rollback", "rollback", "rollback", "promote", "continue"])[which]
     reason = np.array([*reasons, "undecided"])[which]
     return action, reason, np.where(which < 4, when + 1, 0)
+
+
+def guard_lower(failed: Any, candidate: Any, alpha: float) -> Any:
+    """Per session, the lower bound on candidate minus stable failure rate (Canary.decide's
+    `rate_difference`, on every prefix at once); -inf while an arm is empty."""
+    import numpy as np
+
+    from harnessrl.trust.canary import failure_bounds
+
+    n_c = np.cumsum(candidate, axis=1).astype(np.float64)
+    n_s = np.arange(1, candidate.shape[1] + 1)[None, :] - n_c
+    f_c = np.cumsum(failed & candidate, axis=1).astype(np.float64)
+    f_s = np.cumsum(failed & ~candidate, axis=1).astype(np.float64)
+    low_c, _ = failure_bounds(f_c, n_c, alpha / 2)
+    _, high_s = failure_bounds(f_s, n_s, alpha / 2)
+    return np.where((n_c > 0) & (n_s > 0), low_c - high_s, -np.inf)
 
 
 def replay(s: Sessions, run: int, config: CanaryConfig) -> tuple[str, str, int]:

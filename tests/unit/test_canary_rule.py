@@ -191,3 +191,43 @@ def test_evidence_is_canonical_json_of_the_decision() -> None:
     assert parsed["sessions"] == decision.sessions
     assert list(parsed) == sorted(parsed)
     assert orjson.loads(evidence(Canary(BINARY).decide()))["reward"]["lower"] is None
+
+
+def test_failure_bounds_hold_at_every_session_with_the_stated_probability() -> None:
+    """Rare failures (5%), 300 sequences of 2,000 sessions, alpha 0.1: the share of
+    sequences whose interval ever leaves out the true rate stays under alpha."""
+    from harnessrl.trust.canary import failure_bounds
+
+    rng = np.random.default_rng(7)
+    failed = np.cumsum(rng.random((300, 2000)) < 0.05, axis=1).astype(np.float64)
+    sessions = np.broadcast_to(np.arange(1, 2001, dtype=np.float64), failed.shape)
+    low, high = failure_bounds(failed, sessions, 0.1)
+    missed = ((low > 0.05) | (high < 0.05)).any(axis=1).mean()
+    assert missed <= 0.1
+    assert np.all(low <= failed / sessions) and np.all(failed / sessions <= high)
+
+
+def test_failure_bounds_narrow_with_a_rare_rate_and_are_whole_when_empty() -> None:
+    from harnessrl.trust.canary import failure_bounds, radius
+
+    low, high = failure_bounds(np.array([10.0, 0.0, 5.0]), np.array([1000.0, 0.0, 5.0]), 0.01)
+    assert 0.0 < low[0] < 0.01 < high[0] < 0.035  # 1% of 1,000
+    range_bound = float(radius(np.array([1000.0]), 0.5, 300.0, 0.01)[0])
+    assert high[0] - low[0] < range_bound  # narrower than the range-based sequence's radius
+    assert (low[1], high[1]) == (0.0, 1.0)  # nothing seen yet
+    assert high[2] == 1.0 and low[2] > 0.25  # every session failed
+
+
+def test_a_guard_rolls_back_a_candidate_failing_ten_times_as_often_in_a_few_hundred() -> None:
+    config = CanaryConfig(min_sessions=50, guards={"error": GuardRule(margin=0.02, alpha=0.01)})
+    canary = Canary(config)
+    rng = np.random.default_rng(3)
+    for i in range(4000):
+        arm = ARMS[i % 2]
+        failed = rng.random() < (0.10 if arm == "candidate" else 0.01)
+        canary.observe_session(arm, {"error": failed})
+        if canary.decide().action != "continue":
+            break
+    decision = canary.decide()
+    assert (decision.action, decision.reason) == ("rollback", "error")
+    assert sum(decision.sessions.values()) < 2500

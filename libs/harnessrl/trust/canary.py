@@ -33,10 +33,15 @@ indifference zone); the rule stops once U - L < delta, since [L, U] then cannot 
 0 and -delta. m (`mixture_sessions`) only places where the boundary is tightest; any m > 0
 keeps the guarantee.
 
-Guards. Each guard g (a session's failure is 0 or 1, so B = 1) has its own confidence
-sequence at its own `alpha` for p_c - p_s, the difference of the arms' failure rates, and
-rolls the candidate back on its own when its lower bound exceeds its `margin` (it rejects
-p_c - p_s <= margin; a false rollback by g has probability at most g's alpha). A guard
+Guards. A guard's failures are 0 or 1 and rare, so a range bound would be wide: each
+arm's failure rate p has its own sequence from the Bernoulli likelihood, a uniform (Beta(1,
+1)) mixture of likelihood ratios against p0, M_n(p0) = B(F + 1, n - F + 1) / (p0^F (1 -
+p0)^(n - F)) (F failures in n sessions), a martingale under p = p0 with M_0 = 1; by Ville,
+the p0 with M_n(p0) < 2/a form a sequence valid at every n with probability >= 1 - a/2
+(`failure_bounds`; it narrows with the rate, as a KL bound does). Guard g's interval for
+p_c - p_s is the difference of the arms' at its own `alpha`, and it rolls the candidate back
+on its own when its lower bound exceeds its `margin` (it rejects p_c - p_s <= margin; a false
+rollback by g has probability at most g's alpha). A guard
 never holds a promotion back: it is a tripwire, checked before the reward. The reward test
 and the guards together wrongly roll back with probability at most alpha + the guards'
 alphas (a union bound).
@@ -47,8 +52,8 @@ never). The guarantees stand: each arm's sequence is over its rewards in the ord
 arrive, and Ville's inequality holds at any stopping time of that order; the guards count
 sessions, rewarded or not.
 
-The bound uses the range, not the observed variance, so it is conservative for rewards
-that spread little within their range and for rare guard failures (docs/benchmarks.md has
+The reward's bound uses the range, not the observed variance, so it is conservative for
+rewards that spread little within their range (docs/benchmarks.md has
 `harnessrl bench canary`'s simulation). Pure and deterministic: the state is the sums,
 serialised as canonical JSON (`to_json`, `from_json`), so a service resumes it after a
 restart.
@@ -243,15 +248,7 @@ class Canary:
             alpha=c.alpha,
         )
         guards = {
-            n: difference(
-                k.failures[n],
-                k.sessions,
-                s.failures[n],
-                s.sessions,
-                sigma=0.5,
-                mixture=m,
-                alpha=g.alpha,
-            )
+            n: rate_difference(k.failures[n], k.sessions, s.failures[n], s.sessions, g.alpha)
             for n, g in c.guards.items()
         }
         action: Action = "continue"
@@ -310,3 +307,51 @@ def difference(
     n = np.array([n_c, n_s], dtype=np.float64)  # (2,)
     r = float(radius(n, sigma, mixture, alpha / 2).sum())
     return Interval(d, d - r, d + r)
+
+
+def failure_bounds(
+    failures: Floats, sessions: Floats, alpha: float, iterations: int = 48
+) -> tuple[Floats, Floats]:
+    """Elementwise [lower, upper] for a failure rate from `failures` of `sessions`, valid at
+    every n at once with probability >= 1 - alpha: the p0 whose Beta(1, 1) mixture of
+    likelihood ratios stays below 1/alpha (the module docstring), by bisection on each side
+    of the observed rate (which is always inside), rounded outwards. The benchmark calls it
+    on every session of many runs at once."""
+    f, n = np.asarray(failures, np.float64), np.asarray(sessions, np.float64)
+    log_b = _lgamma(f + 1.0) + _lgamma(n - f + 1.0) - _lgamma(n + 2.0)
+    level = math.log(alpha) + log_b  # p0 is kept while its log-likelihood is above this
+    rate = np.divide(f, n, out=np.full_like(n, 0.5), where=n > 0)
+
+    def kept(p: Floats) -> npt.NDArray[np.bool_]:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            hits = np.where(f > 0, f * np.log(p), 0.0)
+            misses = np.where(n > f, (n - f) * np.log1p(-p), 0.0)
+        out: npt.NDArray[np.bool_] = hits + misses > level
+        return out
+
+    low, high = np.zeros_like(rate), rate.copy()  # the lower end lies in [low, high]
+    up_low, up_high = rate.copy(), np.ones_like(rate)  # the upper end in [up_low, up_high]
+    for _ in range(iterations):
+        mid = (low + high) / 2
+        inside = kept(mid)
+        high, low = np.where(inside, mid, high), np.where(inside, low, mid)
+        mid = (up_low + up_high) / 2
+        inside = kept(mid)
+        up_low, up_high = np.where(inside, mid, up_low), np.where(inside, up_high, mid)
+    return np.where(f > 0, low, 0.0), np.where(f < n, up_high, 1.0)
+
+
+def rate_difference(failed_c: int, n_c: int, failed_s: int, n_s: int, alpha: float) -> Interval:
+    """The interval for rate_c - rate_s from each arm's `failure_bounds` at alpha / 2."""
+    if not n_c or not n_s:
+        return Interval(math.nan, -math.inf, math.inf)
+    low, high = failure_bounds(np.array([failed_c, failed_s]), np.array([n_c, n_s]), alpha / 2)
+    estimate = failed_c / n_c - failed_s / n_s
+    return Interval(estimate, float(low[0] - high[1]), float(high[0] - low[1]))
+
+
+def _lgamma(x: Floats) -> Floats:
+    import torch
+
+    out: Floats = torch.lgamma(torch.from_numpy(np.ascontiguousarray(x))).numpy()
+    return out
