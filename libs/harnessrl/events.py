@@ -192,7 +192,8 @@ def wrap(event: Message, *, producer: str, event_id_: str | None = None) -> Mess
     it must keep the type's prefix (`call/`, `reward/`, ...), which decode() checks.
     """
     route = _route(event)
-    envelope = route.envelope(meta=_meta(route, event, producer, event_id_))
+    envelope = route.envelope()
+    getattr(envelope, "meta").CopyFrom(_meta(route, event, producer, event_id_))  # noqa: B009
     getattr(envelope, route.field).CopyFrom(event)
     return envelope
 
