@@ -5,27 +5,35 @@ the harness's own `solve()` (examples/calculator/harness.py, imported by path, u
 with a real `openai.OpenAI` client whose API key is the episode's token; then, against the
 gateway, the episode is closed at its admin API with the controller's own client. The SDK's
 transport times every HTTP attempt and counts its outcome in the load's `Tally`.
+
+Each slot has an HTTP client of its own, as each harness process has its own: one client
+shared by a thousand threads puts them all behind its pool's one lock, whose every request
+scans every connection, and the bench would time that queue instead of the gateway.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import importlib.util
+import ssl
 import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import openai
 
 from harnessrl.command import Progress
 from harnessrl.episode_token import EpisodeClaims, mint
-from harnessrl.services.controller.gateway_admin import Gateways
+from harnessrl.services.controller import gateway_admin
+
+if TYPE_CHECKING:
+    from harnessrl.bench.closer import Closer
+    from harnessrl.services.controller.config import GatewayReplica
 
 EPISODE_TIMEOUT_S = 120.0
 """Lifetime of an episode's token: the gateway forgets a closed episode once it expires."""
@@ -82,10 +90,12 @@ class TimedTransport:
     before); its clients take any object with handle_request() and close() as transport.
     """
 
-    def __init__(self, http: ModuleType, tally: Tally, connections: int) -> None:
+    def __init__(
+        self, http: ModuleType, tally: Tally, connections: int, tls: ssl.SSLContext
+    ) -> None:
         limits = http.Limits(max_connections=connections, max_keepalive_connections=connections)
         self._http = http
-        self._inner = http.HTTPTransport(limits=limits)
+        self._inner = http.HTTPTransport(limits=limits, verify=tls)
         self._tally = tally
 
     def handle_request(self, request: Any) -> Any:
@@ -111,21 +121,22 @@ class TimedTransport:
         self._inner.close()
 
 
-def sdk_http_client(tally: Tally, connections: int) -> Any:
-    """The SDK's own default HTTP client (its timeouts) on a TimedTransport."""
+def sdk_http_client(tally: Tally, connections: int, tls: ssl.SSLContext) -> Any:
+    """The SDK's own default HTTP client (its timeouts) on a TimedTransport. `tls` is shared
+    by every client: loading the CA store anew costs each ~20 ms of CPU."""
     http = importlib.import_module(openai.DefaultHttpxClient.__mro__[1].__module__.split(".")[0])
-    transport = TimedTransport(http, tally, connections)
+    transport = TimedTransport(http, tally, connections, tls)
     return openai.DefaultHttpxClient(transport=transport)  # type: ignore[arg-type]  # duck-typed
 
 
 @dataclass(frozen=True)
 class Closing:
-    """Where episodes go and how they are closed: the controller's own router and clients
-    (each episode at the replica that owns it), run on `loop` (a running event loop in
-    another thread); `timeout_s` bounds one close, its retries included."""
+    """Where episodes go and how they are closed: each at the replica that owns it (the
+    controller's rendezvous hashing over `replicas`), closed by `closer` (the controller's
+    own client, in a process of its own); `timeout_s` bounds one close, retries included."""
 
-    gateways: Gateways
-    loop: asyncio.AbstractEventLoop
+    replicas: Sequence[GatewayReplica]
+    closer: Closer
     timeout_s: float
 
 
@@ -155,18 +166,14 @@ class Load:
         self._secret = secret
         self._closing = closing
         self._stop = threading.Event()
-        self._closes: set[concurrent.futures.Future[int]] = set()
+        self._go = threading.Event()
         self._deadline = 0.0
-        self._http = sdk_http_client(self.tally, slots + 8)
+        self._tls = ssl.create_default_context()
 
     def stop(self) -> None:
         """Start no new episode and give up closes in progress (the gateway is about to be
         stopped); the harnesses in flight run to their end. Idempotent."""
         self._stop.set()
-        with self.tally.lock:
-            closes = list(self._closes)
-        for future in closes:
-            future.cancel()
 
     def run(self) -> float:
         """Run the phase, progress on stderr; returns its wall time in seconds."""
@@ -174,11 +181,12 @@ class Load:
             threading.Thread(target=self._slot, args=(i,), name=f"load-{i}", daemon=True)
             for i in range(self._slots)
         ]
+        for thread in threads:  # each waits for `go`: slots started early would run alone
+            thread.start()
         started = time.monotonic()
         self._deadline = started + self._seconds
         progress = Progress(f"bench load: {self.name} calls", None)
-        for thread in threads:
-            thread.start()
+        self._go.set()
         try:
             while alive := [t for t in threads if t.is_alive()]:
                 alive[0].join(0.25)
@@ -190,17 +198,24 @@ class Load:
                 )
         finally:
             progress.close()
-            self._http.close()
         return time.monotonic() - started
 
     def _slot(self, slot: int) -> None:
+        http = sdk_http_client(self.tally, 2, self._tls)  # one call at a time, and a spare
+        self._go.wait()
+        try:
+            self._episodes(slot, http)
+        finally:
+            http.close()
+
+    def _episodes(self, slot: int, http: Any) -> None:
         n = 0
         while not self._stop.is_set() and time.monotonic() < self._deadline:
             n += 1
             episode_id = f"{self.name}-{slot}-{n}"
             base_url, replica = self._base_url, ""
             if self._closing is not None:  # through the gateways: the episode's owner
-                owner = self._closing.gateways.owner(episode_id)
+                owner = gateway_admin.owner(episode_id, self._closing.replicas)
                 base_url, replica = f"{owner.url}/v1", owner.name
             claims = EpisodeClaims(
                 episode_id,
@@ -213,7 +228,7 @@ class Load:
             client = openai.OpenAI(
                 base_url=base_url,
                 api_key=mint(claims, self._secret),
-                http_client=self._http,
+                http_client=http,
             )
             question = self._questions[(slot + n * self._slots) % len(self._questions)]
             calls: int | None = None
@@ -225,29 +240,21 @@ class Load:
                 with self.tally.lock:
                     self.tally.by_replica[replica] += calls
             if self._closing is not None and not self._stop.is_set():
-                self._close(self._closing, claims, calls)
+                self._close(self._closing, slot, claims, calls)
             with self.tally.lock:
                 self.tally.episodes += 1
 
-    def _close(self, closing: Closing, claims: EpisodeClaims, calls: int | None) -> None:
+    def _close(self, closing: Closing, slot: int, claims: EpisodeClaims, calls: int | None) -> None:
         """Close as the controller does once the harness exits; check its call count."""
         started = time.perf_counter()
-        coroutine = closing.gateways.admin(claims.episode_id).close_episode(
-            claims.episode_id, claims.attempt, claims.group_id, "finished"
-        )
-        future = asyncio.run_coroutine_threadsafe(coroutine, closing.loop)
-        with self.tally.lock:
-            self._closes.add(future)
-        if self._stop.is_set():  # stop() may have looked at the closes before this one
-            future.cancel()
+        episode = (claims.episode_id, claims.attempt, claims.group_id, "finished")
         try:
-            count = future.result(closing.timeout_s)
+            count = closing.closer.close(
+                slot, episode, timeout_s=closing.timeout_s, given_up=self._stop.is_set
+            )
         except Exception as err:
             self.tally.error(f"close {type(err).__name__}")
             return
-        finally:
-            with self.tally.lock:
-                self._closes.discard(future)
         with self.tally.lock:
             self.tally.close_latencies.append(time.perf_counter() - started)
         if calls is not None and count != calls:

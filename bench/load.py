@@ -36,8 +36,8 @@ from typing import Any
 
 import orjson
 
+from harnessrl.bench.closer import Closer
 from harnessrl.bench.episode_load import Closing, Load, calculator
-from harnessrl.services.controller.gateway_admin import Gateways
 
 SECRET, ADMIN = "bench-load-secret-0123456789abcdef", "bench-load-admin-0123456789abcdef012"
 CLOSE_TIMEOUT_S = 30.0
@@ -76,18 +76,16 @@ async def _phase(load: Load, gateways: Sequence[asyncio.subprocess.Process] = ()
     """Run `load` on a thread; its wall time. If a gateway exits meanwhile, that is an error
     and no new episode starts. When cancelled (Ctrl-C), its episodes in flight end first."""
     task = asyncio.ensure_future(asyncio.to_thread(load.run))
-    exits = [g.wait() for g in gateways] or [asyncio.Event().wait()]
-    watch = asyncio.ensure_future(asyncio.wait(
-        [asyncio.ensure_future(e) for e in exits], return_when=asyncio.FIRST_COMPLETED
-    ))  # fmt: skip
+    exits = [asyncio.ensure_future(g.wait()) for g in gateways]
     try:
-        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([task, *exits], return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
             load.tally.error("a gateway exited under load")
             load.stop()
         return await asyncio.shield(task)
     finally:
-        watch.cancel()
+        for watch in exits:
+            watch.cancel()
         if not task.done():
             load.stop()
             await asyncio.wait([task], timeout=STOP_GRACE_S)
@@ -168,9 +166,10 @@ async def _main(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     )
     standin.start()
     processes: list[asyncio.subprocess.Process] = []
-    router = Gateways(replicas, ADMIN, timeout_s=CLOSE_TIMEOUT_S)
+    closer: Closer | None = None
     spill = tempfile.TemporaryDirectory(prefix="harnessrl-bench-load-")
     try:
+        closer = Closer(replicas, ADMIN, timeout_s=CLOSE_TIMEOUT_S, channels=args.episodes)
         for replica, port in zip(replicas, ports, strict=True):
             processes.append(
                 await _gateway(broker.bootstrap, engine_port, port, spill.name, replica.name)
@@ -182,11 +181,12 @@ async def _main(args: argparse.Namespace, log: Any) -> dict[str, Any]:
             f"broker, stand-in engine and {len(replicas)} gateway(s) up; "
             f"{args.episodes} concurrent episodes"
         )
-        return await _run(
-            args, engine=engine, gateways=processes, router=router, bootstrap=broker.bootstrap
-        )
+        closing = Closing(replicas, closer, CLOSE_TIMEOUT_S + 10)
+        return await _run(args, engine=engine, gateways=processes, closing=closing,
+                          bootstrap=broker.bootstrap)  # fmt: skip
     finally:
-        await router.close()
+        if closer is not None:
+            await asyncio.to_thread(closer.stop)
         for process in processes:
             await _stop(process)
         standin.terminate()
@@ -200,7 +200,7 @@ async def _run(
     *,
     engine: str,
     gateways: list[asyncio.subprocess.Process],
-    router: Gateways,
+    closing: Closing,
     bootstrap: str,
 ) -> dict[str, Any]:
     """The baseline phase, the gateway phase, and the read-back of hrl.calls."""
@@ -220,7 +220,6 @@ async def _run(
 
     base = load("baseline", f"{engine}/v1", args.baseline_seconds)
     base_wall = await _phase(base)
-    closing = Closing(router, asyncio.get_running_loop(), CLOSE_TIMEOUT_S + 10)
     through = load("gateway", "", args.seconds, closing)
     before, load_cpu = [Usage.of(g.pid) for g in gateways], time.process_time()
     wall = await _phase(through, gateways)
@@ -237,7 +236,7 @@ async def _run(
         result["gateway_cpu_ms_per_call"] = round(cpu * per_call, 3)
         result["replicas"] = {
             replica.name: _replica_figures(through.tally.by_replica[replica.name], wall, b, a)
-            for replica, b, a in zip(router.replicas, before, after, strict=True)
+            for replica, b, a in zip(closing.replicas, before, after, strict=True)
         }
     result["gateways"] = len(gateways)
     result["load_cpu_ms_per_call"] = round(load_cpu * per_call, 3)

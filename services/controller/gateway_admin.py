@@ -1,8 +1,11 @@
 """Closing episodes at the gateway replica that owns them (its admin API), with retries
 while it is away; which replica owns an episode (rendezvous hashing).
 
-A control-plane call, one per episode attempt: it goes through httpx, the project's one
-client off the hot path (the gateway's own client serves only the calls to engines)."""
+One close per episode attempt, so a controller running a thousand episodes sends them as
+fast as a gateway takes calls: they go through the project's own keep-alive client, whose
+pool hands connections out first come first served in constant time. (On httpx, whose pool
+re-scans every queued request and every connection each time one frees, 1,000 concurrent
+episodes spent the controller's event loop in that scan and stopped closing: issue 39.)"""
 
 from __future__ import annotations
 
@@ -10,9 +13,9 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import httpx
 import orjson
 
+from harnessrl.http import HttpClient
 from harnessrl.logs import get_logger
 from harnessrl.rendezvous import ranking
 from harnessrl.retry import Backoff, is_retryable
@@ -29,6 +32,10 @@ def owner(episode_id: str, replicas: Sequence[GatewayReplica]) -> GatewayReplica
     return replicas[ranking(episode_id, [r.name for r in replicas])[0]]
 
 
+ADMIN_CONNECTIONS = 64
+"""Connections kept open to one replica's admin API; further closes wait their turn."""
+
+
 class GatewayCloseError(RuntimeError):
     """The gateway refused to close an episode, or stayed unreachable past the deadline."""
 
@@ -38,7 +45,9 @@ class GatewayAdmin:
 
     def __init__(self, url: str, admin_token: str, *, timeout_s: float, replica: str = "") -> None:
         self.replica = replica
-        self._client = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(60.0, connect=10.0))
+        self._client = HttpClient(
+            url, max_connections=ADMIN_CONNECTIONS, connect_timeout_s=10.0, read_timeout_s=60.0
+        )
         self._auth = [
             ("authorization", f"Bearer {admin_token}"),
             ("content-type", "application/json"),
@@ -56,23 +65,23 @@ class GatewayAdmin:
         while True:
             problem: str
             try:
-                response = await self._client.post(
-                    f"/admin/episodes/{episode_id}/close", headers=self._auth, content=body
+                response = await self._client.request(
+                    "POST", f"/admin/episodes/{episode_id}/close", headers=self._auth, body=body
                 )
             except Exception as err:
                 if not is_retryable(err):
                     raise
                 problem = repr(err)
             else:
-                if response.status_code == 200:
-                    count: int = orjson.loads(response.content)["call_count"]
+                if response.status == 200:
+                    count: int = orjson.loads(response.body)["call_count"]
                     return count
-                if response.status_code not in (502, 503, 504):
+                if response.status not in (502, 503, 504):
                     raise GatewayCloseError(
                         f"gateway refused to close {episode_id}: HTTP "
-                        f"{response.status_code} {response.content[:300]!r}"
+                        f"{response.status} {response.body[:300]!r}"
                     )
-                problem = f"HTTP {response.status_code}"
+                problem = f"HTTP {response.status}"
             if asyncio.get_running_loop().time() > deadline:
                 raise GatewayCloseError(f"gateway unreachable closing {episode_id}: {problem}")
             log.warning(
@@ -83,7 +92,7 @@ class GatewayAdmin:
             await asyncio.sleep(next(delays))
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self._client.close()
 
 
 class Gateways:
