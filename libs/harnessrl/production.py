@@ -106,8 +106,9 @@ class AppSpec(Section):
     """The app's name: lower-case letters, digits and -, at most 32 characters. Part of every
     session's group id (`s.<app>.<session>`)."""
     key_sha256: str
-    """SHA-256 hex digest of the app's key (`harnessrl sessions key` makes a key and its
-    digest); the key itself is never stored. The app sends the key as its API key."""
+    """SHA-256 hex digest of the app's key (docs/production.md, "Register the app", makes
+    a key and its digest); the key itself is never stored. The app sends the key as its API
+    key."""
     exploration: float = Field(default=0.1, ge=0.0, le=1.0)
     """Share of the app's sessions served with sampling the trainer can recompute and
     trained from their feedback; the rest are served exactly as the app asks and only

@@ -54,3 +54,32 @@ def test_relative_links_name_files_and_headings_that_exist() -> None:
             if fragment and resolved.suffix == ".md":
                 headings = re.findall(r"^#+ (.+)$", resolved.read_text(), flags=re.M)
                 assert fragment in {anchor(h) for h in headings}, f"{where}: no such heading"
+
+
+TRUST = ROOT / "libs" / "harnessrl" / "trust"
+
+
+def _trust_table() -> list[str]:
+    """The modules ARCHITECTURE.md's "Trust path" table lists, in its order."""
+    section = (ROOT / "ARCHITECTURE.md").read_text().split("\n## Trust path\n", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    return re.findall(r"^\| `([a-z_]+)\.py` \|", section, flags=re.M)
+
+
+def test_the_trust_path_is_read_in_one_order_everywhere() -> None:
+    """ARCHITECTURE.md's table and the package's own reading list name every module of
+    libs/harnessrl/trust, in the same order."""
+    files = sorted(p.stem for p in TRUST.glob("*.py") if p.stem != "__init__")
+    table = _trust_table()
+    assert sorted(table) == files, "ARCHITECTURE.md's trust path table and the files differ"
+    docstring = (TRUST / "__init__.py").read_text().split('"""')[1]
+    listed = re.findall(r"^    ([a-z_]+) ", docstring, flags=re.M)
+    assert listed == table, "harnessrl.trust's reading list and ARCHITECTURE.md's differ"
+
+
+def test_the_trust_path_size_stated_is_its_size() -> None:
+    stated = re.search(r"libs/harnessrl/trust/, about ([\d,]+) lines", PAGES[1].read_text())
+    assert stated, "ARCHITECTURE.md no longer states the trust path's size"
+    lines = sum(len(p.read_text().splitlines()) for p in TRUST.glob("*.py"))
+    size = int(stated.group(1).replace(",", ""))
+    assert abs(lines - size) <= 0.1 * lines, f"the trust path is {lines} lines, not ~{size}"

@@ -8,6 +8,7 @@ Every command in the bash blocks of the four deployment sections is extracted (p
 
 from __future__ import annotations
 
+import argparse
 import functools
 import re
 import shlex
@@ -40,7 +41,7 @@ NOT_RUN = {"sh", "bash"}
 
 def section(title: str) -> str:
     """The section of that title in README.md or a page of docs/ (exactly one of them)."""
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    pages = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]
     head = f"\n## {title}\n"
     found = [page.read_text() for page in pages if head in page.read_text()]
     assert len(found) == 1, f"{len(found)} pages have a section '## {title}' (one expected)"
@@ -274,3 +275,65 @@ def test_compose_commands_name_services_and_profiles_the_file_has() -> None:
             if not arg.startswith("-"):
                 assert arg in services, f"{shlex.join(argv)}: no service {arg}"
     assert seen >= 5
+
+
+# -- commands named in running text --------------------------------------------------------
+
+_PLACEHOLDER = re.compile(r"[<>|\[\]{}]|\.\.\.|…")
+
+
+def inline_commands() -> list[tuple[str, str]]:
+    """(page, text) of every `harnessrl ...` code span in README.md, ARCHITECTURE.md and
+    docs/ (fenced blocks are checked above and in test_docs_shell.py)."""
+    found = []
+    for page in [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted(ROOT.glob("docs/*.md"))]:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for span in re.findall(r"`(harnessrl [^`]+)`", text):
+            found.append((str(page.relative_to(ROOT)), span))
+    return found
+
+
+def unknown_words(span: str) -> str | None:
+    """What of `harnessrl ...` the CLI does not have (a subcommand, a flag), or None.
+
+    Placeholders (`<service>`, `a|b`, `...`) end the check; a word where the command takes
+    no positional argument is a subcommand that does not exist."""
+    parser = build_parser()
+    expects_value = False
+    for word in shlex.split(span)[1:]:
+        if _PLACEHOLDER.search(word):
+            return None
+        commands = next(
+            (a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None
+        )
+        if word.startswith("-"):
+            action = parser._option_string_actions.get(word.split("=")[0])
+            if action is None:
+                return f"{parser.prog} has no flag {word}"
+            expects_value = action.nargs != 0 and "=" not in word
+            continue
+        if expects_value:
+            expects_value = False
+            continue
+        if commands is not None:
+            if word not in commands.choices:
+                return f"{parser.prog} has no command {word!r}"
+            parser = commands.choices[word]
+            continue
+        if not any(not a.option_strings for a in parser._actions):
+            return f"{parser.prog} takes no argument {word!r}"
+        return None  # a positional argument: its value is the page's business
+    return None
+
+
+@pytest.mark.parametrize(("page", "span"), inline_commands(), ids=lambda v: str(v)[:60])
+def test_a_command_named_in_the_text_exists(page: str, span: str) -> None:
+    assert unknown_words(span) is None, f"{page}: `{span}`: {unknown_words(span)}"
+
+
+def test_the_inline_check_finds_a_command_that_does_not_exist() -> None:
+    assert unknown_words("harnessrl sessions key") is not None
+    assert unknown_words("harnessrl bench lode") is not None
+    assert unknown_words("harnessrl up --no-such-flag") is not None
+    assert unknown_words("harnessrl policy status|promote") is None
+    assert unknown_words("harnessrl feedback send SESSION NAME VALUE") is None

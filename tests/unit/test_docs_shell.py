@@ -27,7 +27,7 @@ import pytest
 from harnessrl.apps.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]
 NEEDS = {
     "gpu": "a GPU",
     "cluster": "a Kubernetes cluster",

@@ -12,7 +12,11 @@ guarantee each module keeps):
     merging     calls -> chains (segments) with their loss masks and the token books
     group       a group's episodes and their events, as they arrive
     advantages  rewards of a group -> one advantage per episode
+    feedback    a production session's signals -> its reward and its turns' rewards
+    session_baseline  a session's reward against the running estimate before it
     samples     a group -> GroupSamples, deterministically, with its token books
+    session_samples   a production session -> GroupSamples the same way
+    canary      a candidate version promoted or rolled back on the sessions' evidence
     batching    groups -> the next batch; what is stale is decided here, once
     packing     a batch -> micro-batches, and each token's normalisation weight
     loss        the clipped policy-gradient loss, KL and entropy over a micro-batch
