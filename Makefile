@@ -4,20 +4,41 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# torch first, from the exact CPU build this machine keeps on disk; the project then asks
-# for torch>=2.4, which that satisfies, so pip never pulls a multi-GB CUDA build.
-TORCH := torch==2.13.0
+# Every package, with its version and hashes, comes from the lock (`make lock` writes it from
+# pyproject.toml and requirements/lock.in): what passes here passes on a new machine.
+LOCK := requirements/dev.lock
+RUNTIME_LOCK := requirements/runtime.lock
+# Where pip finds the CPU build of torch the lock names (this machine keeps it on disk under
+# /opt/wheels, which its pip.conf lists). Elsewhere: PIP_TORCH="--extra-index-url
+# https://download.pytorch.org/whl/cpu".
+PIP_TORCH ?=
 
-.PHONY: venv protos docs lint test test-full demo bench-bus clean swe-tasks swe-smoke swe-harness swe-coder
+.PHONY: venv lock protos docs lint test test-full demo bench-bus clean swe-tasks swe-smoke swe-harness swe-coder
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+# A venv made anew whenever the lock changes, so it holds the lock and nothing else: no
+# package left over from an earlier lock, none resolved today. pip itself and setuptools are
+# locked too; the project is installed without build isolation, so nothing unhashed is
+# downloaded to build it. `pip check` proves the set is whole.
+$(STAMP): pyproject.toml $(LOCK)
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --require-hashes --only-binary=:all: $(PIP_TORCH) -r $(LOCK)
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation --editable .
+	$(BIN)/python -m pip check
 	touch $(STAMP)
+
+# Resolve the locks again from pyproject.toml and requirements/lock.in: versions already
+# locked stay where they still satisfy; UPGRADE=1 moves every package to its newest release.
+# runtime.lock (what the wheel declares; the images install it) takes its versions from
+# dev.lock, so the two never disagree. tests/unit/test_lock.py fails when they are stale.
+UV_COMPILE = $(BIN)/uv pip compile --quiet --generate-hashes --python-version 3.11 \
+	--python-platform x86_64-manylinux_2_28 --find-links /opt/wheels \
+	--custom-compile-command "make lock" $(if $(UPGRADE),--upgrade)
+lock: venv
+	$(UV_COMPILE) pyproject.toml requirements/lock.in --extra dev -o $(LOCK)
+	$(UV_COMPILE) pyproject.toml requirements/lock.in -c $(LOCK) -o $(RUNTIME_LOCK)
 
 protos: venv  ## regenerate libs/harnessrl/v1 from protos/
 	$(BIN)/python protos/generate.py

@@ -21,6 +21,13 @@ from mypy.modulefinder import BuildSource
 ROOT = Path(__file__).resolve().parent.parent
 
 
+RUNS_ELSEWHERE = {
+    "services/reward/testguard.py": "the task's own interpreter, inside the test jail (pytest)",
+}
+"""Shipped files that run in another interpreter than the project's, with what they import
+there: they are copied, never imported by the package."""
+
+
 def package_folders(root: Path = ROOT) -> dict[str, Path]:
     """Each package pyproject.toml lists, and the folder its modules are in."""
     setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import tempfile
+import tomllib
 from pathlib import Path
 from typing import Any, get_args
 from urllib.parse import urlsplit
@@ -332,18 +333,14 @@ def test_every_harnessrl_service_runs_a_real_subcommand_with_real_flags() -> Non
 
 def test_services_share_one_image_built_from_the_dockerfile() -> None:
     services = compose()["services"]
-    for name in (*SERVICES.keys() - {"controller"}, "volumes-init"):
+    for name in (*SERVICES.keys(), "volumes-init"):
         assert services[name]["image"] == IMAGE, name
         assert services[name]["build"] == {"context": ".", "dockerfile": DOCKERFILE}, name
     assert (ROOT / DOCKERFILE).is_file()
-    # The controller's image is that one plus the harness's SDK (see the file's comment).
-    build = services["controller"]["build"]
-    (base_name, base), *_ = build["additional_contexts"].items()
-    assert base.startswith("service:"), base
-    assert services[base.removeprefix("service:")]["image"] == IMAGE
-    assert build["dockerfile_inline"].splitlines()[0] == f"FROM {base_name}"
-    assert "openai" in build["dockerfile_inline"]
-    assert services["controller"]["image"] != IMAGE, "a tag of its own, not harnessrl:latest"
+    # The controller runs the calculator harness, which needs the openai SDK: the image has
+    # it because the wheel declares it (the chaos and load commands use it).
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(line.startswith("openai") for line in project["dependencies"])
 
 
 def test_every_setting_in_the_environment_exists() -> None:

@@ -10,14 +10,18 @@ venv by tests/integration/test_wheel.py.
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import re
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
-from tests.typecheck import ROOT, package_folders
+from tests.typecheck import ROOT, RUNS_ELSEWHERE, package_folders
 
 MAPPED = ("libs/harnessrl", "services", "apps", "bench")
 # What the repository holds besides the package, which may import it but is not part of it.
@@ -101,3 +105,57 @@ def test_every_image_copies_every_mapped_folder() -> None:
         copied = {line.split()[1] for line in text.splitlines() if line.strip().startswith("COPY")}
         top = {folder.split("/")[0] for folder in MAPPED}
         assert top <= copied, f"{where} does not copy {sorted(top - copied)}"
+
+
+def test_every_third_party_import_of_the_shipped_code_is_declared() -> None:
+    """A package the wheel imports but does not declare arrives only as some other
+    package's dependency, and leaves the day that package stops needing it."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {canonicalize_name(Requirement(line).name) for line in project["dependencies"]}
+    for extra in project["optional-dependencies"].values():
+        if extra is not project["optional-dependencies"]["dev"]:
+            declared |= {canonicalize_name(Requirement(line).name) for line in extra}
+    providers = importlib.metadata.packages_distributions()
+    missing = []
+    for root in MAPPED:
+        for path in sorted((ROOT / root).rglob("*.py")):
+            where = str(path.relative_to(ROOT))
+            if where in RUNS_ELSEWHERE or "/v1/" in where:
+                continue
+            for name in _imported(path) | _imported_inside(path):
+                top = name.split(".")[0]
+                if top in sys.stdlib_module_names or top in ("harnessrl", "__future__"):
+                    continue
+                dists = {canonicalize_name(d) for d in providers.get(top, [top])}
+                if not dists & declared:
+                    missing.append(f"{where}: {top} (from {sorted(dists)})")
+    assert not missing, "imported but not declared in pyproject.toml:\n" + "\n".join(missing)
+
+
+def _imported_inside(path: Path) -> set[str]:
+    """Modules imported by `importlib.import_module("...")` with a constant name."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.add(node.args[0].value)
+    return found
+
+
+def test_the_image_installs_the_lock_and_nothing_unhashed_besides_the_project() -> None:
+    """The image runs what CI tested: every dependency from requirements/runtime.lock with
+    its hashes, and the project on top without resolving anything again."""
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    installs = [line for line in re.split(r"(?<!\\)\n", text) if "pip install" in line]
+    locked = [line for line in installs if "-r requirements/runtime.lock" in line]
+    assert locked and all("--require-hashes" in line for line in locked), installs
+    assert "COPY requirements/runtime.lock" in text
+    project = [line for line in installs if line.rstrip().endswith(" .") or " . &&" in line]
+    assert project and all("--no-deps" in line for line in project), installs
+    assert text.index("-r requirements/runtime.lock") < text.index("COPY libs")
