@@ -8,7 +8,11 @@ transport times every HTTP attempt and counts its outcome in the load's `Tally`.
 
 Each slot has an HTTP client of its own, as each harness process has its own: one client
 shared by a thousand threads puts them all behind its pool's one lock, whose every request
-scans every connection, and the bench would time that queue instead of the gateway.
+scans every connection, and the bench would time that queue instead of the gateway. For
+the same reason the threads take turns on the interpreter every `SWITCH_S` instead of
+Python's 5 ms: with a thousand of them waiting, a thread that had connected could wait more
+than the gateway's 10 s for a request's head before it wrote it, which no harness (a process
+of its own) does, and the gateway rightly closes such a connection.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ if TYPE_CHECKING:
     from harnessrl.bench.closer import Closer
     from harnessrl.services.controller.config import GatewayReplica
 
+SWITCH_S = 0.001
+"""The interpreter's switch interval while a load runs (see the module docstring)."""
 EPISODE_TIMEOUT_S = 120.0
 """Lifetime of an episode's token: the gateway forgets a closed episode once it expires."""
 CALCULATOR = Path(__file__).resolve().parents[1] / "examples" / "calculator"
@@ -186,6 +192,8 @@ class Load:
         started = time.monotonic()
         self._deadline = started + self._seconds
         progress = Progress(f"bench load: {self.name} calls", None)
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_S)
         self._go.set()
         try:
             while alive := [t for t in threads if t.is_alive()]:
@@ -197,6 +205,7 @@ class Load:
                     f"{tally.episodes:,} episodes, {sum(tally.errors.values())} errors",
                 )
         finally:
+            sys.setswitchinterval(switch)
             progress.close()
         return time.monotonic() - started
 

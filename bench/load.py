@@ -286,6 +286,7 @@ def _result(
         "seconds": round(wall, 1),
         "calls_per_s": round(rate, 1),
         "calls_per_episode": round(g.calls / max(g.episodes, 1), 2),
+        "close_p50_ms": _ms(g.close_latencies, 0.5),
         "close_p99_ms": _ms(g.close_latencies, 0.99),
         "error_kinds": dict(errors),
         "baseline_seconds": round(base_wall, 1),
