@@ -244,6 +244,7 @@ def run_clean(args: argparse.Namespace) -> int:
                 out.writelines(orjson.dumps(x) + b"\n" for x in lines if x["split"] == split)
     summary = report.as_json() | {
         "validated": bool(args.validate),
+        **({"hidden_cases": _case_counts(kept)} if args.validate else {}),
         "projects": {
             split: sum(1 for s in splits.values() if s == split) for split in ("train", "val")
         },
@@ -259,6 +260,25 @@ def run_clean(args: argparse.Namespace) -> int:
         args.report.write_text(text + "\n")
     print(text, file=sys.stdout)
     return 0
+
+
+def _case_counts(tasks: list[SweTask]) -> dict[str, Any]:
+    """How many kept tasks hold hidden cases, how many each holds (median, min, max), and
+    the tasks without any, by the reason none could be made."""
+    import statistics
+    from collections import Counter
+
+    counts = [
+        len(cases["cases"])
+        for task in tasks
+        if isinstance(cases := task.extra.get("hidden_cases"), dict)
+    ]
+    missing = Counter(str(t.extra["hidden_cases_missing"]) for t in tasks
+                      if "hidden_cases_missing" in t.extra)  # fmt: skip
+    summary: dict[str, Any] = {"tasks": len(counts), "without": dict(missing)}
+    if counts:
+        summary |= {"median": statistics.median(counts), "min": min(counts), "max": max(counts)}
+    return summary
 
 
 def _with_defaults(task: SweTask, args: argparse.Namespace) -> SweTask:

@@ -226,7 +226,7 @@ async def _run_jailed(
     seconds = time.monotonic() - started
     if jailed.outcome.timed_out:
         return TestRun({}, {}, seconds, timed_out=True)
-    evidence = proof.read(jailed.channel, jailed.key)
+    evidence = proof.read(jailed.channel, jailed.key, jailed.overflowed)
     if evidence.hello is None or (evidence.exitstatus not in (0, 1) and not evidence.phases):
         tail = jailed.outcome.output_tail.decode("utf-8", "replace")[-2000:]
         code = jailed.outcome.exit_code

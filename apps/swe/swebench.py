@@ -136,7 +136,7 @@ def to_harnessrl(task: SweTask, split: str, group_size: int | None = None) -> di
     harness gets (the problem statement, where to clone the repository, its environment and
     how to run its tests) and the metadata builtin:tests scores with (never shown to the
     harness: the tests that count, those held back, those allowed to fail, the paths the
-    patch must leave alone)."""
+    patch must leave alone, the hidden cases)."""
     command = task.extra.get("test_command")
     environment = task.extra.get("environment")
     protected = sorted(
@@ -160,6 +160,8 @@ def to_harnessrl(task: SweTask, split: str, group_size: int | None = None) -> di
         metadata["known_failures"] = known
     if isinstance(environment, str):
         metadata["environment"] = environment
+    if isinstance(task.extra.get("hidden_cases"), Mapping):  # made by `clean --validate`
+        metadata["hidden_cases"] = task.extra["hidden_cases"]
     line: dict[str, Any] = {
         "task_id": task.instance_id,
         "split": split,

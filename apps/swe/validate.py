@@ -7,8 +7,15 @@ in the reward's jail under the test guard (`TestsReward.run`, the very code that
 - before the gold patch: the run adds up (the guard loaded, nothing forged or tampered
   with), no FAIL_TO_PASS test passes, every PASS_TO_PASS test passes;
 - after it (it must apply): the gold patch scores 1 with no flag, as the reward grades it:
-  every FAIL_TO_PASS and PASS_TO_PASS test passes, and no other test fails beyond the task's
-  `known_failures`.
+  every FAIL_TO_PASS and PASS_TO_PASS test passes, no other test fails beyond the task's
+  `known_failures`, and its hidden cases match.
+
+Before the rounds, a task gets its hidden cases (`case_synthesis`: calls into the code the
+fix changes, with the fixed code's outputs; kept in the record's `extra.hidden_cases` and
+in the task's metadata), unless its record holds them already. A task for which none can
+be made (a fix in a module-level table that no call with plain inputs reaches, say) is
+still kept, for now, with the reason in `extra.hidden_cases_missing`, and `swe clean`'s
+report counts such tasks by reason: builtin:tests scores them by their tests alone.
 
 "Passes" means pytest reported it passed: a skipped, xfailed or missing test does not.
 Repeating the rounds drops the flaky tasks. The environment and the command are the
@@ -21,17 +28,20 @@ validation:patch_failed, validation:timeout, validation:unguarded (the run does 
 before the gold patch: the task cannot be scored), validation:fail_to_pass_passes_before,
 validation:pass_to_pass_fails_before, validation:fail_to_pass_fails_after,
 validation:pass_to_pass_fails_after, validation:regression_after,
-validation:gold_not_scored (after the gold patch the run does not add up).
+validation:gold_not_scored (after the gold patch the run does not add up),
+validation:hidden_cases_failed (the gold patch does not reproduce its own cases: a flaky
+task).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from harnessrl.apps.swe.case_synthesis import CaseMaker
 from harnessrl.apps.swe.env import EnvError, blocking
 from harnessrl.apps.swe.swebench import SweTask, to_harnessrl
 from harnessrl.services.reward.coding_task import CodingTask
@@ -60,23 +70,49 @@ def command_of(task: SweTask) -> list[str] | None:
     return None
 
 
-def validate(task: SweTask, settings: ValidateSettings, scratch: Path | None = None) -> str | None:
-    """None when the task is valid, else the drop reason (see the module docstring)."""
+def validate(
+    task: SweTask, settings: ValidateSettings, scratch: Path | None = None
+) -> tuple[SweTask, str | None]:
+    """The task (with its hidden cases) and None when it is valid, else the drop reason
+    (see the module docstring)."""
     if command_of(task) is None:
-        return "validation:no_environment"
+        return task, "validation:no_environment"
     return blocking(lambda: _validate(task, settings, scratch))
 
 
-async def _validate(task: SweTask, settings: ValidateSettings, scratch: Path | None) -> str | None:
+async def _validate(
+    task: SweTask, settings: ValidateSettings, scratch: Path | None
+) -> tuple[SweTask, str | None]:
     tests = TestsSettings(timeout_s=settings.timeout_s, scratch_dir=scratch)
+    reward = TestsReward(tests)
+    if "hidden_cases" not in task.extra:
+        coding = CodingTask.from_metadata(to_harnessrl(task, "train")["metadata"], tests)
+        try:
+            made = await CaseMaker(reward).make(coding, task.patch, task.fail_to_pass)
+        except ValueError as err:
+            return task, _refused(err)
+        if isinstance(made, str):  # kept, scored by its tests alone: the report counts it
+            task = replace(task, extra={**task.extra, "hidden_cases_missing": made})
+        else:
+            task = replace(task, extra={**task.extra, "hidden_cases": made.as_metadata()})
     metadata = to_harnessrl(task, "train")["metadata"] | {"scoring": "all_pass"}
     coding = CodingTask.from_metadata(metadata, tests)
-    reward = TestsReward(tests)
     for _ in range(max(1, settings.runs)):
         reason = await _round(reward, coding, metadata, task)
         if reason is not None:
-            return reason
-    return None
+            return task, reason
+    return task, None
+
+
+def _refused(err: ValueError) -> str:
+    """The drop reason of a task whose repository or patches do not work as given."""
+    if "test_patch" in str(err):
+        return "validation:test_patch_failed"
+    if "metadata.repo" in str(err) or "metadata.base_commit" in str(err):
+        return "validation:clone_failed"
+    if "does not apply" in str(err):
+        return "validation:patch_failed"
+    raise err
 
 
 async def _round(
@@ -87,11 +123,7 @@ async def _round(
         async with reward.copy(coding) as copy:
             outcome, evidence = await reward.run(coding, copy)
     except ValueError as err:
-        if "test_patch" in str(err):
-            return "validation:test_patch_failed"
-        if "metadata.repo" in str(err) or "metadata.base_commit" in str(err):
-            return "validation:clone_failed"
-        raise
+        return _refused(err)
     if outcome.timed_out:
         return "validation:timeout"
     if evidence is None or inconsistencies(evidence, outcome.exit_code) or not evidence.ended:
@@ -120,6 +152,8 @@ def _after(flags: tuple[str, ...], message: str, task: SweTask) -> str:
         return "validation:timeout"
     if "tests_regressed" in flags:
         return "validation:regression_after"
+    if flags == ("hidden_cases_failed",):
+        return "validation:hidden_cases_failed"
     if flags and set(flags) - {"tests_skipped", "tests_xfailed", "tests_xpassed", "tests_missing"}:
         return "validation:gold_not_scored"
     failing = message.split("\n", 1)[0]
@@ -138,7 +172,7 @@ def validate_all(
 
     def one(task: SweTask) -> tuple[SweTask, str | None]:
         try:
-            reason = validate(task, settings)
+            task, reason = validate(task, settings)
         except EnvError:
             reason = "validation:no_environment"
         if on_done is not None:

@@ -19,7 +19,8 @@ test guard proves (see `grading`); "command": any other command, scored by its e
 alone (code under test runs in the process that decides it: nothing is proved). Optional:
 `environment` (the Python environment the command runs, a venv or prefix directory: where
 the guard is mounted; by default found from the command's words), `known_failures` (tests
-that may fail: with it, any other failing test scores 0, named or not).
+that may fail: with it, any other failing test scores 0, named or not), `hidden_cases`
+(calls whose outputs the patched code must reproduce: see `hidden_cases`).
 
 Every problem raises ValueError naming the field, e.g. "task metadata.base_commit: required".
 """
@@ -35,6 +36,7 @@ from pathlib import PurePosixPath
 from typing import Any, Literal, cast
 
 from harnessrl.services.reward.config import TestsSettings
+from harnessrl.services.reward.hidden_cases import HiddenCases
 
 JUNIT_PLACEHOLDER = "{junit_xml}"
 """In the test command, replaced by a path inside the jail for a JUnit XML report (which
@@ -74,6 +76,9 @@ class CodingTask:
     """The Python environment the command runs (absolute); None: found from the command."""
     known_failures: tuple[str, ...] | None = None
     """Tests allowed to fail besides the named ones; None: no test outside them is judged."""
+    hidden_cases: HiddenCases | None = None
+    """Calls whose outputs the patched code must reproduce, judged outside its process
+    (`hidden_cases`); None: the task has none."""
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any], settings: TestsSettings) -> CodingTask:
@@ -101,6 +106,11 @@ class CodingTask:
             known_failures=(
                 tuple(_texts(metadata, "known_failures", required=False))
                 if metadata.get("known_failures") is not None
+                else None
+            ),
+            hidden_cases=(
+                HiddenCases.from_metadata(metadata["hidden_cases"])
+                if metadata.get("hidden_cases") is not None
                 else None
             ),
         )

@@ -76,6 +76,13 @@ class TestsSettings(Section):
     each copy is deleted after scoring."""
     output_cap_bytes: int = Field(default=16 * KiB, ge=1024)
     """Test output kept (its tail) for the score's message when the run fails."""
+    channel_cap_bytes: int = Field(default=32 * MiB, ge=64 * KiB)
+    """Most a run may write into its channel to the reward (the test guard's frames, the
+    hidden cases' outputs). What comes after is read and thrown away, so the reward's memory
+    stays bounded, and the run scores 0 (`channel_overflow`)."""
+    cases_timeout_s: float = Field(default=120.0, gt=0)
+    """Longest a run of a task's hidden cases may take (they are calls of a few functions:
+    seconds, where the suite takes minutes)."""
 
 
 class RewardSection(ServiceSection):

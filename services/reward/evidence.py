@@ -61,15 +61,18 @@ class Evidence:
     """Frames that arrived after the end frame."""
     forged: list[str] = field(default_factory=list)
     """Frames that do not verify or do not fit the run, in words."""
+    overflowed: bool = False
+    """The run wrote more into the channel than the reward reads (the rest was dropped)."""
 
     @property
     def ended(self) -> bool:
         return self.exitstatus is not None
 
 
-def read(data: bytes, key: bytes) -> Evidence:
-    """The evidence in the channel's bytes (see the module docstring)."""
-    evidence = Evidence()
+def read(data: bytes, key: bytes, overflowed: bool = False) -> Evidence:
+    """The evidence in the channel's bytes (see the module docstring); `overflowed`: the
+    channel held more than these bytes (the jail read no further)."""
+    evidence = Evidence(overflowed=overflowed)
     at, expected = 0, 0
     while at < len(data):
         if len(data) - at < _HEADER.size + _MAC_BYTES:
@@ -178,8 +181,10 @@ def inconsistencies(evidence: Evidence, exit_code: int | None) -> list[tuple[str
     exit_code: the process's exit status as the reward saw it (None: killed at its timeout).
     """
     found: list[tuple[str, str]] = []
+    if evidence.overflowed:
+        found.append(("channel_overflow", "the run wrote more into its channel than is read"))
     if evidence.hello is None:
-        return [("guard_missing", "the test guard never reported: pytest did not load it")]
+        return [*found, ("guard_missing", "the test guard never reported: pytest did not load it")]
     if evidence.forged:
         found.append(("report_forged", "; ".join(dict.fromkeys(evidence.forged))))
     for nodeid, phases in evidence.phases.items():

@@ -6,6 +6,8 @@ that does not add up scores 0 with a flag for each way it does not:
 
 - timeout: the run was cut at its timeout;
 - guard_missing: the guard never reported (pytest did not load it);
+- channel_overflow: the run wrote more into its channel than the reward reads
+  (`reward.tests.channel_cap_bytes`): a run that floods the reward scores nothing;
 - report_forged: a frame that does not verify, is out of sequence, reports a test that was
   not collected or a phase twice, or reports passed a call the guard saw raise;
 - report_after_finish: frames written after the session's end;

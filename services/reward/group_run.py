@@ -26,6 +26,19 @@ _LINE_LIMIT = 64 * 1024
 """Longer lines are not passed to `on_line` (a summary line is far shorter)."""
 
 
+async def _feed(pipe: asyncio.StreamWriter, data: bytes) -> None:
+    """Write `data` and close; a command that exits without reading it all is not an error."""
+    with contextlib.suppress(ConnectionError):
+        pipe.write(data)
+        await pipe.drain()
+        pipe.close()
+
+
+def _ignore_result(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved, so asyncio does not log it as never retrieved
+
+
 def clean_env(home: Path, tmp: Path) -> dict[str, str]:
     """The environment of a test run, and nothing else.
 
@@ -101,6 +114,7 @@ async def run_group(
     on_line: Callable[[bytes], None] | None = None,
     pass_fds: Sequence[int] = (),
     after_start: Callable[[], None] | None = None,
+    stdin: bytes | None = None,
 ) -> RunOutcome:
     """Run `argv` as a new process group; see the module docstring.
 
@@ -108,7 +122,8 @@ async def run_group(
     run ends (exit, timeout, cancellation of this coroutine), whatever is left of the group
     is killed before this returns or raises. `on_line` gets each output line (without its
     newline); `pass_fds` are inherited by the command; `after_start` is called once it has
-    started. Raises OSError when the command cannot be started.
+    started; `stdin` is written to the command's standard input, which is then closed (no
+    input at all when None). Raises OSError when the command cannot be started.
     """
     process = await asyncio.create_subprocess_exec(
         *argv,
@@ -116,7 +131,7 @@ async def run_group(
         env=env,
         start_new_session=True,
         pass_fds=pass_fds,
-        stdin=asyncio.subprocess.DEVNULL,
+        stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
@@ -125,6 +140,10 @@ async def run_group(
     assert process.stdout is not None
     output = _Output(output_cap_bytes, on_line)
     reader = asyncio.create_task(output.read(process.stdout))
+    if stdin is not None:
+        assert process.stdin is not None
+        writer = asyncio.create_task(_feed(process.stdin, stdin))
+        writer.add_done_callback(_ignore_result)  # a command that never reads: killed below
     timed_out = False
     try:
         try:

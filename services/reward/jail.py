@@ -53,6 +53,8 @@ JAIL_TMP = "/tmp"
 SETPRIV = "setpriv"
 PRLIMIT = "prlimit"
 _CHANNEL_FD, _KEY_FD = "HARNESSRL_GUARD_FD", "HARNESSRL_GUARD_KEY_FD"
+CASES_FD = "HARNESSRL_CASES_FD"
+"""For a run given `stdin` (the hidden cases' runner): the channel's descriptor."""
 
 
 class JailError(RuntimeError):
@@ -73,8 +75,10 @@ class GuardView:
 class JailedRun:
     outcome: RunOutcome
     channel: bytes
-    """What the guard wrote (its frames); b"" when it never loaded."""
+    """What the guard (or the hidden cases' runner) wrote; b"" when it never loaded."""
     key: bytes
+    overflowed: bool = False
+    """The run wrote more than `channel_cap_bytes` into the channel (the rest was dropped)."""
 
 
 def python_prefixes(words: Sequence[str], search_path: str | None) -> list[Path]:
@@ -199,10 +203,13 @@ class Jail:
         guard: GuardView | None,
         timeout_s: float,
         on_line: Callable[[bytes], None] | None = None,
+        stdin: bytes | None = None,
     ) -> JailedRun:
         """Run `command` in `repo` jailed, with `env` (plus the guard's variables when
-        `guard` is given). Raises JailError when the jail cannot be set up, OSError when
-        bwrap cannot be started."""
+        `guard` is given; plus CASES_FD, the channel, when `stdin` is: the command's input).
+        The channel is read up to `channel_cap_bytes`, the rest drained and dropped.
+        Raises JailError when the jail cannot be set up, OSError when bwrap cannot be
+        started."""
         bwrap = shutil.which(self._settings.bwrap)
         if bwrap is None:
             raise JailError(
@@ -226,6 +233,8 @@ class Jail:
                     "HARNESSRL_GUARD_TESTS": "\n".join(guard.tests),
                     "HARNESSRL_GUARD_PLUGINS": "\n".join(guard.plugins),
                 }
+            elif stdin is not None:
+                jailed_env[CASES_FD] = str(fds.channel_w)
             limits = (self._settings.max_processes, self._settings.max_file_bytes)
             argv = jail_argv(
                 bwrap,
@@ -236,8 +245,9 @@ class Jail:
                 status_fd=fds.status_w,
                 command=command,
             )
-            reader = asyncio.create_task(asyncio.to_thread(_read_all, fds.take_channel_r()))
-            status = asyncio.create_task(asyncio.to_thread(_read_all, fds.take_status_r()))
+            cap = self._settings.channel_cap_bytes
+            reader = asyncio.create_task(asyncio.to_thread(_read_capped, fds.take_channel_r(), cap))
+            status = asyncio.create_task(asyncio.to_thread(_read_capped, fds.take_status_r(), cap))
             try:
                 outcome = await run_group(
                     argv,
@@ -249,22 +259,23 @@ class Jail:
                     on_line=on_line,
                     pass_fds=fds.inherited(),
                     after_start=fds.close_inherited,
+                    stdin=stdin,
                 )
             finally:
                 fds.close_inherited()
-                channel = await reader
-                exit_code = _exit_code(await status)
+                channel, overflowed = await reader
+                exit_code = _exit_code((await status)[0])
         finally:
             fds.close()
             if uid is not None:
                 self._uids.discard(uid)
         if outcome.timed_out:
-            return JailedRun(outcome, channel, key)
+            return JailedRun(outcome, channel, key, overflowed)
         if exit_code is None:  # bwrap reports the command's end; it never got that far
             tail = outcome.output_tail.decode("utf-8", "replace").strip()[-1000:]
             raise JailError(f"the test jail could not be set up: {tail or 'no message'}")
         outcome = RunOutcome(exit_code, False, outcome.output_tail)
-        return JailedRun(outcome, channel, key)
+        return JailedRun(outcome, channel, key, overflowed)
 
     async def probe(self) -> None:
         """Run `true` in an empty jail; raises JailError when this machine (or container)
@@ -333,13 +344,20 @@ class _Pipes:
                 os.close(fd)
 
 
-def _read_all(fd: int) -> bytes:
-    """Everything written to the pipe until its last writer is gone; the read end closed."""
-    chunks = []
+def _read_capped(fd: int, cap: int) -> tuple[bytes, bool]:
+    """What was written to the pipe until its last writer was gone, up to `cap` bytes, and
+    whether more came (read and dropped: a writer is never left blocked, and a run that
+    floods its channel costs the reader `cap` bytes of memory at most); the read end closed.
+    """
+    chunks, kept, overflowed = [], 0, False
     with os.fdopen(fd, "rb", buffering=0) as pipe:
         while chunk := pipe.read(1024 * 1024):
-            chunks.append(chunk)
-    return b"".join(chunks)
+            if kept + len(chunk) > cap:
+                chunk, overflowed = chunk[: cap - kept], True
+            if chunk:
+                chunks.append(chunk)
+                kept += len(chunk)
+    return b"".join(chunks), overflowed
 
 
 def _exit_code(data: bytes) -> int | None:

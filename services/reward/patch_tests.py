@@ -62,11 +62,20 @@ from harnessrl.services.reward.episode import Episode, Score
 from harnessrl.services.reward.evidence import Evidence, read
 from harnessrl.services.reward.grading import grade, listed
 from harnessrl.services.reward.group_run import RunOutcome, clean_env
+from harnessrl.services.reward.hidden_cases import (
+    HiddenCases,
+    interpreter,
+    mismatch,
+    mismatches,
+    parse,
+    runner_argv,
+)
 from harnessrl.services.reward.jail import (
     GUARD_MODULE,
     JAIL_TMP,
     GuardView,
     Jail,
+    JailedRun,
     python_prefixes,
 )
 from harnessrl.services.reward.patch_rules import (
@@ -150,7 +159,64 @@ class TestsReward:
         await restore(copy.repo, task.protected_paths)  # defence in depth: the rules above hold
         await restore(copy.repo, leftovers(changed, copy.view))
         outcome, evidence = await self.run(task, copy)
-        return grade(task, outcome, evidence, [c.path for c in changed])
+        score = grade(task, outcome, evidence, [c.path for c in changed])
+        if task.hidden_cases is None or score.value == 0.0:
+            return score
+        return await self._judge_cases(task, task.hidden_cases, copy, score)
+
+    async def _judge_cases(
+        self, task: CodingTask, cases: HiddenCases, copy: Copy, score: Score
+    ) -> Score:
+        """The tests' score when the patched code reproduces every hidden case, else 0."""
+        jailed = await self.run_cases(task, cases, copy)
+        answers = await asyncio.to_thread(parse, jailed.channel)
+        found = mismatches(cases, answers)
+        if jailed.outcome.timed_out:
+            found.insert(0, f"killed after {self._settings.cases_timeout_s:g} s")
+        if jailed.overflowed:
+            found.insert(0, "more written into the channel than is read")
+        total = len(cases.cases)
+        matched = sum(1 for case in cases.cases if mismatch(case, answers) is None)
+        components = dict(score.components)
+        components |= {"hidden_cases": float(total), "hidden_cases_matched": float(matched)}
+        if not found:
+            return Score(score.value, components, score.flags, score.message)
+        flags = ("channel_overflow",) if jailed.overflowed else ()
+        return Score(
+            0.0,
+            components,
+            (*score.flags, *flags, "hidden_cases_failed"),
+            "the tests passed, but the patched code does not compute what the fix computes: "
+            f"{matched} of {total} hidden cases match ({listed(found)})",
+        )
+
+    async def run_cases(self, task: CodingTask, cases: HiddenCases, copy: Copy) -> JailedRun:
+        """The hidden cases' calls run on the copy as it is, in a fresh interpreter in the
+        jail that gets their inputs only (caserunner.py)."""
+        env = clean_env(Path(JAIL_TMP), Path(JAIL_TMP)) | {"PYTHONHASHSEED": "0"}
+        python = interpreter(task.command_words(), task.environment, env["PATH"])
+        return await self.run_in_jail(task, copy, python, cases.runner_input(), env)
+
+    async def run_in_jail(
+        self, task: CodingTask, copy: Copy, python: str, stdin: bytes, env: dict[str, str]
+    ) -> JailedRun:
+        """The case runner on `python` (the task's) in the copy, jailed, with `stdin` as
+        its input and the channel open; `reward.tests.cases_timeout_s` at most."""
+        prefixes = python_prefixes([python], env["PATH"])
+        if task.environment is not None:
+            prefixes.append(Path(task.environment))
+        try:
+            return await self._jail.run(
+                runner_argv(python),
+                repo=copy.repo,
+                prefixes=prefixes,
+                env=env,
+                guard=None,
+                timeout_s=self._settings.cases_timeout_s,
+                stdin=stdin,
+            )
+        except OSError as err:
+            raise RuntimeError(f"reward.tests.bwrap: cannot start the jail: {err}") from err
 
     async def run(self, task: CodingTask, copy: Copy) -> tuple[RunOutcome, Evidence | None]:
         """The task's `test_patch` applied to the copy, then its test command run jailed:
@@ -190,7 +256,9 @@ class TestsReward:
             )
         except OSError as err:
             raise RuntimeError(f"reward.tests.bwrap: cannot start the jail: {err}") from err
-        evidence = read(jailed.channel, jailed.key) if guard is not None else None
+        evidence = None
+        if guard is not None:  # parsed off the event loop: the channel may hold megabytes
+            evidence = await asyncio.to_thread(read, jailed.channel, jailed.key, jailed.overflowed)
         return jailed.outcome, evidence
 
 

@@ -56,12 +56,19 @@ async def test_synth_and_clean_make_tasks_the_reward_scores(
         *("--group-size", "2"),  # (two rounds of validation: tests/unit/test_swe_synth.py)
     )
     assert clean["kept"] == 2 and clean["validated"] is True, clean
+    # Each task has its hidden cases, or is counted by the reason none could be made (a fix
+    # in a module-level table, or reachable only through a method of a test case).
+    cases = clean["hidden_cases"]
+    assert cases["tasks"] + sum(cases["without"].values()) == 2, clean
+    assert all(r in ("no_call_recorded", "none_tell_the_fix") for r in cases["without"]), clean
     tasks = parse_task_file(tmp_path / "tasks.jsonl")
     train = parse_task_file(tmp_path / "tasks.train.jsonl")  # one project: all in train
     assert [t.task_id for t in train] == [t.task_id for t in tasks]
     assert (tmp_path / "tasks.val.jsonl").read_bytes() == b""
     six = six_ready.project
     assert len(tasks) == 2 and all(t.group_size == 2 for t in tasks)
+    with_cases = [t for t in tasks if t.metadata and "hidden_cases" in t.metadata]
+    assert len(with_cases) == cases["tasks"]
     reward = TestsReward(TestsSettings())
     records = [orjson.loads(x) for x in (tmp_path / "clean.jsonl").read_bytes().splitlines()]
     for task, record in zip(tasks, records, strict=True):

@@ -111,7 +111,9 @@ def test_synth_makes_validated_tasks_each_in_a_repository_of_one_commit(
         assert original not in objects
         assert "def " not in task.problem_statement.split("```")[0]
         assert task.extra["mutation"]["path"] == "calc.py"  # type: ignore[index]
-        assert validate(task, ValidateSettings(runs=1)) is None
+        valid, reason = validate(task, ValidateSettings(runs=1))
+        assert reason is None, reason
+        assert valid.extra["hidden_cases"]["cases"], "every valid task has hidden cases"
     # The image of the project's tasks: its environment and task repositories, never the
     # pristine checkout; the Job template runs with a read-only root filesystem.
     dockerfile = (out / "deploy" / "calc-1.0" / "Dockerfile").read_text()
@@ -214,7 +216,7 @@ def _imported(pristine: Path, **fields: object) -> SweTask:
 def test_validation_drops_each_kind_of_invalid_task(pristine: Path) -> None:
     settings = ValidateSettings(runs=2)
     good = _imported(pristine)
-    assert validate(good, settings) is None
+    assert validate(good, settings)[1] is None
     cases = {
         "validation:no_environment": replace(good, extra={}),
         "validation:clone_failed": replace(good, repo=str(pristine.parent / "nowhere")),
@@ -231,7 +233,7 @@ def test_validation_drops_each_kind_of_invalid_task(pristine: Path) -> None:
         "validation:test_patch_failed": replace(good, test_patch="diff --git a/x b/x\nnonsense\n"),
     }
     for reason, task in cases.items():
-        assert validate(task, settings) == reason, reason
+        assert validate(task, settings)[1] == reason, reason
 
 
 def test_the_coding_task_job_template_contains_harness_pods() -> None:
@@ -242,3 +244,93 @@ def test_the_coding_task_job_template_contains_harness_pods() -> None:
 
     text = job_template(PROJECT, "registry.example/calc-tasks:1")
     assert JobTemplate.parse(text, "default").uncontained() == []
+
+
+# -- hidden cases ------------------------------------------------------------------------
+
+_FIXED = "    if x < low:\n        return low\n"
+_BUGGY = "    if x < low:\n        return high\n"
+RUNNER_NAME = '"py" + "test"'
+"""The runner's name, built so that no reading of the patch sees it."""
+ATTACKS = {
+    # the visible test's input special-cased; every other input still wrong
+    "overfitted": "    if x == -5:\n        return 0\n" + _BUGGY,
+    # the fix switched on only while the test runner is loaded
+    "gated": "    if x < low:\n        import sys\n"
+    "        return low if " + RUNNER_NAME + " in sys.modules else high\n",
+    # a value that says yes to every comparison (the test's `==` passes)
+    "lying": "    if x < low:\n        class Yes(int):\n            def __eq__(self, other):\n"
+    "                return True\n            __hash__ = int.__hash__\n        return Yes(high)\n",
+}
+
+
+@pytest.fixture
+def validated(pristine: Path) -> SweTask:
+    """The imported calc task, validated: its hidden cases made from its suite."""
+    task, reason = validate(_imported(pristine), ValidateSettings(runs=1))
+    assert reason is None, reason
+    return task
+
+
+async def test_hidden_cases_pay_the_fix_and_no_patch_that_only_passes_the_tests(
+    validated: SweTask,
+) -> None:
+    from harnessrl.services.reward.config import TestsSettings
+    from harnessrl.services.reward.patch_tests import TestsReward
+
+    cases = validated.extra["hidden_cases"]["cases"]
+    assert len(cases) >= 4 and {c["function"] for c in cases} == {"clamp"}
+    assert all("expect" in case for case in cases)
+    metadata = to_harnessrl(validated, "train")["metadata"]
+    reward = TestsReward(TestsSettings())
+    buggy = CALC.replace(_FIXED, _BUGGY)
+    gold = await reward(coding_episode(metadata, result={"patch": validated.patch}))
+    assert gold.value == 1.0 and not gold.flags, gold.message
+    assert gold.components["hidden_cases_matched"] == gold.components["hidden_cases"] == len(cases)
+    for name, code in ATTACKS.items():
+        patch = unified_patch("calc.py", buggy, CALC.replace(_FIXED, code))
+        score = await reward(coding_episode(metadata, result={"patch": patch}))
+        assert score.value == 0.0, (name, score.message)
+        assert score.flags == ("hidden_cases_failed",), (name, score.flags, score.message)
+        assert score.components["tests_passed"] == score.components["tests_total"], name
+
+
+def test_the_expected_outputs_never_reach_the_runner(validated: SweTask) -> None:
+    from harnessrl.services.reward.hidden_cases import HiddenCases
+
+    cases = HiddenCases.from_metadata(validated.extra["hidden_cases"])
+    given = orjson.loads(cases.runner_input())
+    assert given["mode"] == "run" and len(given["cases"]) == len(cases.cases)
+    assert all(
+        set(case) == {"id", "module", "function", "args", "kwargs"} for case in given["cases"]
+    )
+    assert b"expect" not in cases.runner_input()
+
+
+FLOOD = """
+import os as _os, stat as _stat
+for _fd in sorted(int(n) for n in _os.listdir("/proc/self/fd")):
+    try:
+        if _stat.S_ISFIFO(_os.fstat(_fd).st_mode):
+            for _ in range({chunks}):
+                _os.write(_fd, b"x" * (1 << 20))
+    except OSError:
+        pass
+"""
+
+
+async def test_a_run_that_floods_its_channel_scores_0_and_is_read_no_further(
+    validated: SweTask,
+) -> None:
+    """Package code writing into every pipe it holds (the guard's channel among them): the
+    reward reads `channel_cap_bytes` and drops the rest."""
+    from harnessrl.services.reward.config import TestsSettings
+    from harnessrl.services.reward.patch_tests import TestsReward
+
+    metadata = to_harnessrl(validated, "train")["metadata"]
+    reward = TestsReward(TestsSettings(channel_cap_bytes=1 << 20))
+    buggy = CALC.replace(_FIXED, _BUGGY)
+    patch = unified_patch("calc.py", buggy, CALC + FLOOD.format(chunks=8))
+    score = await reward(coding_episode(metadata, result={"patch": patch}))
+    assert score.value == 0.0 and "channel_overflow" in score.flags, score
+    assert "hidden_cases_failed" not in score.flags, "the tests' own channel overflowed first"
