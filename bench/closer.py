@@ -87,8 +87,9 @@ class Closer:
         *,
         timeout_s: float,
         given_up: Callable[[], bool],
-    ) -> int:
-        """Close (episode id, attempt, group id, reason) at its owner; its call count.
+    ) -> tuple[int, float]:
+        """Close (episode id, attempt, group id, reason) at its owner; its call count, and
+        the seconds the controller's client took (from the request read to the answer).
 
         Raises CloseFailedError (the client gave up), TimeoutError (no answer within
         `timeout_s`), CloseGivenUpError (`given_up()` turned true while waiting)."""
@@ -97,12 +98,12 @@ class Closer:
         deadline = time.monotonic() + timeout_s
         while True:
             line = self._line(channel, given_up, deadline)
-            episode_id, closed, value = orjson.loads(line)
+            episode_id, closed, value, seconds = orjson.loads(line)
             if episode_id != episode[0]:
                 continue  # the late answer of a close this channel timed out on
             if not closed:
                 raise CloseFailedError(value)
-            return int(value)
+            return int(value), float(seconds)
 
     def _line(self, channel: int, given_up: Callable[[], bool], deadline: float) -> bytes:
         sock = self._channels[channel]
@@ -154,13 +155,14 @@ async def _serve(settings: dict[str, Any]) -> None:
     async def close(
         writer: asyncio.StreamWriter, episode_id: str, attempt: int, group_id: str, reason: str
     ) -> None:
+        started = time.perf_counter()
         try:
             count = await gateways.admin(episode_id).close_episode(
                 episode_id, attempt, group_id, reason
             )
-            answer = [episode_id, True, count]
+            answer = [episode_id, True, count, time.perf_counter() - started]
         except Exception as err:  # handed to the thread that waits for it
-            answer = [episode_id, False, f"{type(err).__name__}: {err}"]
+            answer = [episode_id, False, f"{type(err).__name__}: {err}", 0.0]
         with contextlib.suppress(ConnectionError):  # that thread's bench is gone
             writer.write(orjson.dumps(answer) + b"\n")
 

@@ -70,6 +70,9 @@ class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
     latencies: list[float] = field(default_factory=list)  # seconds per answered attempt
     close_latencies: list[float] = field(default_factory=list)
+    """Seconds from the harness's end to its close's answer, as its thread saw them."""
+    controller_close_latencies: list[float] = field(default_factory=list)
+    """Seconds each close took in the controller's client (the gateway's answer included)."""
     calls: int = 0  # 2xx answers
     episodes: int = 0
     errors: Counter[str] = field(default_factory=Counter)
@@ -258,7 +261,7 @@ class Load:
         started = time.perf_counter()
         episode = (claims.episode_id, claims.attempt, claims.group_id, "finished")
         try:
-            count = closing.closer.close(
+            count, controller_s = closing.closer.close(
                 slot, episode, timeout_s=closing.timeout_s, given_up=self._stop.is_set
             )
         except Exception as err:
@@ -266,5 +269,6 @@ class Load:
             return
         with self.tally.lock:
             self.tally.close_latencies.append(time.perf_counter() - started)
+            self.tally.controller_close_latencies.append(controller_s)
         if calls is not None and count != calls:
             self.tally.error("closed call_count differs from the harness's calls")

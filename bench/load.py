@@ -1,12 +1,14 @@
 """`harnessrl bench load`: hundreds of concurrent episodes of the demo harness through the
 gateway. Does it answer every call and capture every call, and at what latency?
 
-Four processes: the embedded broker, the stand-in engine (bench/calculator_standin.py), the
-real `harnessrl gateway` capturing every call to hrl.calls, and this one, which keeps
-`--episodes` episodes running on threads for `--seconds` (bench/episode_load.py): each is the
-calculator harness's own `solve()` with a real `openai.OpenAI` client whose API key is the
-episode's token; when it ends, the episode is closed at the gateway's admin API with the
-controller's own client, and the next episode starts in its slot.
+Five processes: the embedded broker, the stand-in engine (bench/calculator_standin.py), the
+real `harnessrl gateway` capturing every call to hrl.calls, the controller's part
+(bench/closer.py: the controller's own client closing episodes at the gateway's admin API),
+and this one, which keeps `--episodes` episodes running on threads for `--seconds`
+(bench/episode_load.py): each is the calculator harness's own `solve()` with a real
+`openai.OpenAI` client whose API key is the episode's token; when it ends, the episode is
+closed, and the next episode starts in its slot. Close latency is given twice: in the
+controller's client, and as the harness's thread saw it (the hand-offs included).
 
 The SDK's transport times every HTTP attempt (request sent to last body byte) and counts its
 outcome. An error is any exception or non-2xx answer the harness sees (attempts the SDK then
@@ -288,6 +290,8 @@ def _result(
         "calls_per_episode": round(g.calls / max(g.episodes, 1), 2),
         "close_p50_ms": _ms(g.close_latencies, 0.5),
         "close_p99_ms": _ms(g.close_latencies, 0.99),
+        "controller_close_p50_ms": _ms(g.controller_close_latencies, 0.5),
+        "controller_close_p99_ms": _ms(g.controller_close_latencies, 0.99),
         "error_kinds": dict(errors),
         "baseline_seconds": round(base_wall, 1),
         "baseline_calls": b.calls,
