@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 RUNS_ELSEWHERE = {
     "services/reward/testguard.py": "the task's own interpreter, inside the test jail (pytest)",
+    "services/reward/caserunner.py": "the task's own interpreter, inside the test jail (pytest)",
 }
 """Shipped files that run in another interpreter than the project's, with what they import
 there: they are copied, never imported by the package."""
